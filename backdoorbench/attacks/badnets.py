@@ -1,0 +1,88 @@
+"""BadNets: a small fixed patch stamped onto the image."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from backdoorbench.attacks.base import Attack
+from backdoorbench.attacks.patterns import load_pattern
+from backdoorbench.errors import ConfigError
+
+CORNERS = ("bottom_right", "bottom_left", "top_right", "top_left")
+
+
+class BadNets(Attack):
+    """BadNets (Gu, Dolan-Gavitt, Garg, "BadNets: Identifying Vulnerabilities in the Machine
+    Learning Model Supply Chain", arXiv 2017 / IEEE Access 2019).
+
+    A `patch_size` x `patch_size` pattern replaces the pixels at a fixed location of a fraction of
+    the training images, whose labels go to the target; at test time the same patch triggers it.
+    Departures: the paper's MNIST trigger is a single-pixel or small white pattern in the corner;
+    our default is a 3x3 black/white checkerboard in the bottom-right corner (the variant most
+    re-implementations use), with size, location and pattern as config values. The patch sits
+    `margin` pixels from the border (default 0).
+    """
+
+    name = "badnets"
+
+    def __init__(
+        self,
+        *,
+        patch_size: int = 3,
+        location: str | Sequence[int] = "bottom_right",
+        margin: int = 0,
+        pattern: str = "checkerboard",
+        seed: int = 0,
+        **common,
+    ) -> None:
+        super().__init__(**common)
+        channels, height, width = self.image_shape
+        if not isinstance(patch_size, int) or not 1 <= patch_size <= min(height, width):
+            raise ConfigError(f"attack.patch_size={patch_size!r} is out of range; use 1..{min(height, width)}")
+        self.top, self.left = _patch_origin(location, margin, patch_size, height, width)
+        self.patch_size = patch_size
+        if pattern == "checkerboard":
+            rows = torch.arange(patch_size).view(-1, 1)
+            cols = torch.arange(patch_size).view(1, -1)
+            patch = ((rows + cols) % 2 == 0).float().expand(channels, -1, -1)
+        elif pattern == "white":
+            patch = torch.ones(channels, patch_size, patch_size)
+        elif pattern == "black":
+            patch = torch.zeros(channels, patch_size, patch_size)
+        else:  # 'random', a scikit-image sample or an image file, resized to the patch
+            patch = load_pattern(pattern, (channels, patch_size, patch_size), seed=seed)
+        self.patch = patch.contiguous()
+
+    def apply_trigger(self, x: Tensor) -> Tensor:
+        out = x.clone()
+        s = self.patch_size
+        out[..., self.top : self.top + s, self.left : self.left + s] = self.patch.to(x.device, x.dtype)
+        return out
+
+    def patch_mask(self) -> Tensor:
+        """(H, W) bool mask of the pixels the trigger overwrites."""
+        _, height, width = self.image_shape
+        mask = torch.zeros(height, width, dtype=torch.bool)
+        mask[self.top : self.top + self.patch_size, self.left : self.left + self.patch_size] = True
+        return mask
+
+
+def _patch_origin(location, margin: int, size: int, height: int, width: int) -> tuple[int, int]:
+    if isinstance(location, str):
+        if location not in CORNERS:
+            raise ConfigError(
+                f"attack.location={location!r} is unknown; choose one of: {', '.join(CORNERS)}, or [row, col]"
+            )
+        top = margin if location.startswith("top") else height - size - margin
+        left = margin if location.endswith("left") else width - size - margin
+    else:
+        top, left = (int(v) for v in location)
+    if not (0 <= top <= height - size and 0 <= left <= width - size):
+        raise ConfigError(
+            f"attack.location={location!r} with margin {margin} puts the {size}x{size} patch outside the "
+            f"{height}x{width} image; use row in [0, {height - size}] and col in [0, {width - size}]"
+        )
+    return top, left

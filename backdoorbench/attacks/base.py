@@ -1,0 +1,112 @@
+"""The attack contract: a target rule, a poison rate, a test-time trigger and seeded poisoning."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from backdoorbench.attacks.targets import make_target_rule
+from backdoorbench.datasets.base import Split, to_float, to_uint8
+from backdoorbench.errors import ConfigError
+
+
+@dataclass
+class PoisonedData:
+    """A training split after poisoning, with the indices that were rewritten (for scoring only)."""
+
+    split: Split
+    indices: Tensor  # sorted int64 indices into the training split
+
+    @property
+    def indices_sha256(self) -> str:
+        return indices_sha256(self.indices)
+
+
+def indices_sha256(indices: Tensor) -> str:
+    """Hash of a sorted index set, so two records can show they poisoned the same samples."""
+    data = indices.sort().values.to(torch.int64).cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+class Attack:
+    """Base of every attack. Data-poisoning attacks implement `apply_trigger` only.
+
+    `poison_rate` is the fraction of the whole training set that is poisoned. Images enter
+    `apply_trigger` as float in [0, 1], shape (B, C, H, W), and leave in the same range and shape.
+    """
+
+    name: ClassVar[str] = "attack"
+    clean_label: ClassVar[bool] = False  # clean-label attacks poison target-class samples, labels kept
+
+    def __init__(
+        self,
+        *,
+        num_classes: int,
+        image_shape: tuple[int, int, int],
+        target_mode: str = "all2one",
+        target: int = 0,
+        poison_rate: float = 0.1,
+    ) -> None:
+        if isinstance(poison_rate, bool) or not isinstance(poison_rate, (int, float)) or not 0 < poison_rate <= 1:
+            raise ConfigError(f"attack.poison_rate={poison_rate!r} is out of range; use a number in (0, 1]")
+        self.num_classes = num_classes
+        self.image_shape = tuple(image_shape)
+        self.target_rule = make_target_rule(target_mode, target, num_classes)
+        self.target_mode = target_mode
+        self.target = target if target_mode == "all2one" else None
+        self.poison_rate = float(poison_rate)
+
+    def apply_trigger(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def eligible(self, y: Tensor) -> Tensor:
+        """Mask of samples this attack may poison: those whose target differs from their label
+        (dirty-label), or those already of the target class (clean-label)."""
+        targets = self.target_rule(y)
+        return targets == y if self.clean_label else targets != y
+
+    def poison_indices(self, y: Tensor, generator: torch.Generator) -> Tensor:
+        """A seeded random choice of round(poison_rate * N) eligible training indices, sorted."""
+        candidates = torch.nonzero(self.eligible(y)).flatten()
+        wanted = round(self.poison_rate * len(y))
+        if wanted > len(candidates):
+            raise ConfigError(
+                f"attack.poison_rate={self.poison_rate} asks for {wanted} poisoned samples but only "
+                f"{len(candidates)} of {len(y)} are eligible; use attack.poison_rate <= "
+                f"{len(candidates) / len(y):.4f}"
+            )
+        if wanted == 0:
+            raise ConfigError(
+                f"attack.poison_rate={self.poison_rate} poisons no sample of {len(y)}; use a rate >= {1 / len(y):.2g}"
+            )
+        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:wanted]]
+        return chosen.sort().values
+
+    def poison_dataset(self, train: Split, generator: torch.Generator, batch_size: int = 1024) -> PoisonedData:
+        """Rewrite the chosen images (and labels, unless clean-label) once, before training.
+
+        Poisoned images are stored back as uint8, as an attacker handing over image files would.
+        """
+        indices = self.poison_indices(train.labels, generator)
+        images = train.images.clone()
+        labels = train.labels.clone()
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            images[chunk] = to_uint8(self.apply_trigger(to_float(images[chunk])))
+        if not self.clean_label:
+            labels[indices] = self.target_rule(labels[indices])
+        return PoisonedData(Split(images, labels), indices)
+
+    def describe(self) -> dict:
+        """The attack's identity for the record."""
+        return {
+            "name": self.name,
+            "target_mode": self.target_mode,
+            "target": self.target,
+            "poison_rate": self.poison_rate,
+            "clean_label": self.clean_label,
+        }

@@ -1,0 +1,112 @@
+"""Command-line front of `python -m backdoorbench`: a preflight that turns bad input into one line.
+
+Hydra reports an unknown option, key or type as a multi-line message with exit code 1. Before
+Hydra starts (and writes anything), we compose every value of the command line once with
+Hydra's compose API and report the first problem as `error: ...`, exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+import backdoorbench.config  # noqa: F401  (registers the schemas)
+from backdoorbench.config import GROUPS
+from backdoorbench.errors import ConfigError, UserError
+
+CONFIG_MODULE = "backdoorbench.conf"
+VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+               "-cd", "--config-dir", "--experimental-rerun", "-sc", "--shell-completion"}
+SKIP_FLAGS = {"-h", "--help", "--hydra-help", "--version", "-i", "--info", "-sc", "--shell-completion",
+              "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun"}
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], bool]:
+    """The override arguments of a Hydra command line, and whether preflight should be skipped."""
+    overrides, skip, expect_value = [], False, False
+    for arg in argv:
+        if expect_value:
+            expect_value = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if arg.startswith("-"):
+            skip |= flag in SKIP_FLAGS
+            expect_value = flag in VALUE_FLAGS and "=" not in arg
+            continue
+        overrides.append(arg)
+    return overrides, skip
+
+
+def _combinations(overrides: list[str]) -> Iterator[list[str]]:
+    """Each value of each sweep once, the other sweeps at their first value (sum, not product)."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices: list[list[str]] = []
+    for override in parsed:
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([override.input_line])
+    yield [c[0] for c in choices]
+    for i, options in enumerate(choices):
+        for value in options[1:]:
+            yield [c[0] if j != i else value for j, c in enumerate(choices)]
+
+
+def _check_group_choices(overrides: list[str]) -> None:
+    loader = GlobalHydra.instance().config_loader()
+    for override in OverridesParser.create().parse_overrides(overrides):
+        group = override.key_or_group
+        if group not in GROUPS or override.package is not None or override.is_delete():
+            continue
+        valid = sorted(o for o in loader.get_group_options(group) if not o.startswith("_"))
+        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        for value in values:
+            if not isinstance(value, str) or value not in valid:
+                raise ConfigError(f"unknown {group} {value!r}; choose one of: {', '.join(valid)}")
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra/OmegaConf messages are multi-line; keep the informative lines joined on one."""
+    parts: list[str] = []
+    while exc is not None:
+        for line in str(exc).splitlines():
+            line = line.strip()
+            if line and not line.startswith(("object_type", "full_key", "reference_type", "To append")) and line not in parts:
+                parts.append(line)
+        exc = exc.__cause__
+    return "; ".join(parts)
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose each distinct value of the command line and validate it; raise ConfigError."""
+    from backdoorbench.pipeline import validate_config
+
+    overrides, skip = split_overrides(argv)
+    if skip:
+        return
+    ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            _check_group_choices(ours)
+            for combination in _combinations(ours):
+                cfg = compose(config_name="config", overrides=combination)
+                validate_config(cfg)
+    except UserError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def fail(exc: UserError) -> None:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)

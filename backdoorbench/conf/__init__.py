@@ -1,0 +1,1 @@
+"""Hydra configuration tree of backdoorbench (a package so it ships inside the wheel)."""

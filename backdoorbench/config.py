@@ -1,0 +1,52 @@
+"""Typed schema of the top-level config and the trainer, registered with Hydra's ConfigStore.
+
+Hydra checks overrides against these types at composition, so `seed=abc` or
+`trainer.epochs=ten` fail before anything runs. Import this module before composing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger")
+
+
+@dataclass
+class TrainerSchema:
+    _target_: str = "backdoorbench.train.Trainer"
+    epochs: int = 10
+    batch_size: int = 128
+    eval_batch_size: int = 1024
+    optimizer: Any = MISSING
+    schedule: str = "cosine"
+    milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
+    gamma: float = 0.1
+    augment: bool = True
+    amp: bool = True
+    channels_last: bool = True
+    progress: bool = True
+
+
+@dataclass
+class RunSchema:
+    dataset: Any = MISSING
+    model: Any = MISSING
+    attack: Any = MISSING
+    defense: Any = None
+    trainer: TrainerSchema = MISSING
+    logger: Any = None
+    seed: int = 0
+    device: str = "auto"
+    results_dir: str = "results"
+
+
+# Keys that change where or how a run reports, never what it computes; left out of the run id.
+NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress")
+
+store = ConfigStore.instance()
+store.store(name="run_schema", node=RunSchema)
+store.store(group="trainer", name="_schema", node=TrainerSchema)

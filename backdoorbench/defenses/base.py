@@ -1,0 +1,77 @@
+"""The defense contract: one of four stages, one `apply(ctx)`; the pipeline scores the result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from backdoorbench.datasets.base import Split
+from backdoorbench.errors import ConfigError
+
+Stage = Literal["pre_train", "in_train", "post_train", "input"]
+
+
+@dataclass
+class DefenseContext:
+    """What every defense is given. `poisoned_indices` is for scoring only: a defense never reads it."""
+
+    model: nn.Module
+    poisoned_train: Split
+    poisoned_indices: Tensor
+    clean_subset: Split
+    trainer: Any
+    num_classes: int
+    generator: torch.Generator
+
+
+@dataclass
+class DefenseResult:
+    model: nn.Module | None = None  # a repaired model (post-training) or one trained with the defense
+    sample_scores: Tensor | None = None  # suspicion per training sample (pre-training detection)
+    input_scores: Tensor | None = None  # suspicion per test input (input detection)
+    extras: dict[str, Any] = field(default_factory=dict)  # numbers the record keeps (floats, ints)
+
+
+class Defense:
+    """Base of every defense: its stage, and the share of the training set it may hold clean."""
+
+    name: ClassVar[str] = "defense"
+    stage: ClassVar[Stage]
+    needs_clean_data: ClassVar[bool] = True
+
+    def __init__(self, *, clean_fraction: float = 0.05) -> None:
+        low_ok = clean_fraction >= 0 if not self.needs_clean_data else clean_fraction > 0
+        if isinstance(clean_fraction, bool) or not isinstance(clean_fraction, (int, float)) or not (low_ok and clean_fraction < 1):
+            bound = "[0, 1)" if not self.needs_clean_data else "(0, 1)"
+            raise ConfigError(
+                f"defense.clean_fraction={clean_fraction!r} is out of range; {self.name} needs a number in {bound}"
+            )
+        self.clean_fraction = float(clean_fraction)
+
+    def apply(self, ctx: DefenseContext) -> DefenseResult:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "stage": self.stage, "clean_fraction": self.clean_fraction}
+
+
+def clean_subset_indices(num_samples: int, poisoned: Tensor, fraction: float, generator: torch.Generator) -> Tensor:
+    """A seeded choice of round(fraction * N) training indices, none of them poisoned."""
+    is_poisoned = torch.zeros(num_samples, dtype=torch.bool)
+    is_poisoned[poisoned] = True
+    clean = torch.nonzero(~is_poisoned).flatten()
+    wanted = round(fraction * num_samples)
+    if wanted < 1:
+        raise ConfigError(
+            f"defense.clean_fraction={fraction} gives the defender no clean sample of {num_samples}; "
+            f"use at least {1 / num_samples:.2g}"
+        )
+    if wanted > len(clean):
+        raise ConfigError(
+            f"defense.clean_fraction={fraction} asks for {wanted} clean samples but only {len(clean)} are "
+            f"unpoisoned; use defense.clean_fraction <= {len(clean) / num_samples:.4f}"
+        )
+    return clean[torch.randperm(len(clean), generator=generator)[:wanted]].sort().values

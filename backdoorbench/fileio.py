@@ -1,0 +1,40 @@
+"""Atomic file writes and writable-folder checks: a crash never leaves half a result behind."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from backdoorbench.errors import ConfigError
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def ensure_writable_dir(path: str | Path, what: str = "results_dir") -> Path:
+    """Create `path` if needed and prove a file can be written in it; else one clear ConfigError."""
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{what}={str(path)!r} cannot be written ({exc.strerror or exc}); choose a folder you can write to"
+        ) from exc
+    return path

@@ -1,0 +1,221 @@
+"""One run: dataset -> attack -> victim training -> defense -> evaluation -> record."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import backdoorbench
+from backdoorbench.attacks.base import Attack
+from backdoorbench.config import NON_RESULT_KEYS
+from backdoorbench.datasets.base import ImageDataset
+from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
+from backdoorbench.errors import ConfigError
+from backdoorbench.fileio import ensure_writable_dir
+from backdoorbench.metrics import defense_effectiveness_rating, evaluate
+from backdoorbench.models.base import Normalized
+from backdoorbench.records import RunRecord, save_record
+
+log = logging.getLogger(__name__)
+
+# Each random stream gets its own generator so that, e.g., changing the defense never changes
+# which samples were poisoned.
+STREAMS = {"poison": 1, "train": 2, "clean_subset": 3, "defense": 4}
+
+
+def stream(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + STREAMS[name])
+
+
+def config_hash(config: dict[str, Any], drop: tuple[str, ...]) -> str:
+    """sha256 (16 hex) of the canonical JSON of `config` without the dotted keys in `drop`."""
+    pruned = json.loads(json.dumps(config))
+    for dotted in drop:
+        node = pruned
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(pruned, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Checks that need no data: run before Hydra writes anything, and again at the start of a run."""
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed!r} is invalid; use an integer >= 0")
+    epochs = cfg.trainer.epochs
+    if epochs < 0:
+        raise ConfigError(f"trainer.epochs={epochs} is invalid; use an integer >= 0")
+    rate = cfg.attack.get("poison_rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1):
+        raise ConfigError(f"attack.poison_rate={rate!r} is out of range; use a number in (0, 1]")
+    target = cfg.attack.get("target")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 0):
+        raise ConfigError(f"attack.target={target!r} is out of range; use an integer class index >= 0")
+    ensure_writable_dir(cfg.results_dir)
+
+
+@contextmanager
+def timed(timings: dict[str, float], stage: str):
+    start = time.perf_counter()
+    yield
+    timings[stage] = round(time.perf_counter() - start, 4)
+
+
+def git_commit() -> dict[str, Any]:
+    root = Path(backdoorbench.__file__).resolve().parent.parent
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import numpy
+    import torchvision
+
+    name = str(device)
+    if device.type == "cuda":
+        name = f"{device} ({torch.cuda.get_device_name(device)})"
+    return {
+        "backdoorbench": backdoorbench.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "numpy": numpy.__version__,
+        **git_commit(),
+        "device": name,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+
+
+def build_model(cfg: DictConfig, data: ImageDataset) -> Normalized:
+    channels, height, _ = data.image_shape
+    net = instantiate(cfg.model, in_channels=channels, num_classes=data.num_classes, image_size=height)
+    return Normalized(net, data.mean, data.std)
+
+
+def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord, Path]:
+    """Run one resolved config end to end; return the record and the path it was written to."""
+    validate_config(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    run_id = config_hash(config, NON_RESULT_KEYS)
+    group_id = config_hash(config, NON_RESULT_KEYS + ("seed",))
+    results_dir = Path(cfg.results_dir).expanduser()
+    seed = cfg.seed
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    torch.manual_seed(seed)
+    logger = instantiate(cfg.logger) if cfg.logger is not None else None
+
+    with timed(timings, "data"):
+        data: ImageDataset = instantiate(cfg.dataset)
+    attack: Attack = instantiate(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
+    defense: Defense | None = instantiate(cfg.defense) if cfg.defense is not None else None
+    trainer = instantiate(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
+    trainer.on_epoch = logger.log_epoch if logger is not None else None
+    log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
+             data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)
+
+    with timed(timings, "poison"):
+        poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
+    model = build_model(cfg, data)
+    with timed(timings, "train"):
+        trainer.fit(model, poisoned.split, generator=stream(seed, "train"), desc="victim")
+    with timed(timings, "eval_attacked"):
+        attacked = evaluate(model, trainer, attack, data.test)
+
+    defended = der = None
+    defense_info: dict[str, Any] = {"name": "none"}
+    if defense is not None:
+        if defense.stage != "post_train":
+            raise ConfigError(f"defense {defense.name!r} has stage {defense.stage!r}, which this pipeline cannot run yet")
+        subset = clean_subset_indices(len(data.train), poisoned.indices, defense.clean_fraction, stream(seed, "clean_subset"))
+        ctx = DefenseContext(
+            model=model,
+            poisoned_train=poisoned.split,
+            poisoned_indices=poisoned.indices,
+            clean_subset=poisoned.split.subset(subset),
+            trainer=trainer,
+            num_classes=data.num_classes,
+            generator=stream(seed, "defense"),
+        )
+        with timed(timings, "defense"):
+            result = defense.apply(ctx)
+        with timed(timings, "eval_defended"):
+            defended = evaluate(result.model, trainer, attack, data.test)
+        der = defense_effectiveness_rating(attacked, defended)
+        defense_info = {**defense.describe(), "clean_subset_size": int(len(subset)), "extras": result.extras}
+    timings["total"] = round(time.perf_counter() - started, 4)
+
+    record = RunRecord(
+        run_id=run_id,
+        group_id=group_id,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        dataset={
+            "name": data.name,
+            "num_classes": data.num_classes,
+            "image_shape": list(data.image_shape),
+            "n_train": len(data.train),
+            "n_test": len(data.test),
+        },
+        model={"name": model.name, "n_params": sum(p.numel() for p in model.parameters())},
+        attack={
+            **attack.describe(),
+            "n_poisoned": int(len(poisoned.indices)),
+            "poisoned_indices_sha256": poisoned.indices_sha256,
+        },
+        defense=defense_info,
+        seed=seed,
+        metrics={"attacked": attacked, "defended": defended, "der": der},
+        timings_s=timings,
+        env=environment(trainer.device),
+        config=config,
+        overrides=list(overrides or []),
+    )
+    path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
+    save_record(record, path)
+    if logger is not None:
+        logger.finish(path)
+    return record, path
+
+
+def summary_table(record: RunRecord, path: Path) -> str:
+    """The short table printed at the end of a run."""
+    rows = [("attacked", record.metrics["attacked"])]
+    if record.metrics["defended"] is not None:
+        rows.append((f"defended ({record.defense['name']})", record.metrics["defended"]))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'model':<{width}}  {'CA':>7}  {'ASR':>7}  {'RA':>7}"]
+    for name, m in rows:
+        lines.append(f"{name:<{width}}  {m['clean_acc']:>7.2%}  {m['asr']:>7.2%}  {m['ra']:>7.2%}")
+    if record.metrics["der"] is not None:
+        lines.append(f"DER {record.metrics['der']:.4f}")
+    attack = record.attack
+    target = f" target {attack['target']}" if attack["target"] is not None else ""
+    lines.insert(0, f"{attack['name']} {attack['target_mode']}{target}, poison rate {attack['poison_rate']} "
+                    f"({attack['n_poisoned']} samples) on {record.dataset['name']} / {record.model['name']}, seed {record.seed}")
+    lines.append(f"time {record.timings_s['total']:.1f} s (train {record.timings_s['train']:.1f} s) on {record.env['device']}")
+    lines.append(f"record: {path}")
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""The run record: one JSON per run, validated on load, written atomically.
+
+Numbers are JSON numbers (never strings); metrics are fractions in [0, 1]; a record of schema
+other than SCHEMA_VERSION is refused by `load_record`, so the leaderboard never mixes formats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from backdoorbench.fileio import atomic_write_text
+
+SCHEMA_VERSION = 1
+METRIC_KEYS = ("clean_acc", "asr", "ra")
+
+
+class RecordError(ValueError):
+    """A record file that is unreadable, of another schema version, or malformed."""
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    group_id: str  # same for runs that differ only in seed: the leaderboard's row key
+    created_at: str
+    dataset: dict[str, Any]
+    model: dict[str, Any]
+    attack: dict[str, Any]
+    defense: dict[str, Any]
+    seed: int
+    metrics: dict[str, Any]
+    timings_s: dict[str, float]
+    env: dict[str, Any]
+    config: dict[str, Any]
+    overrides: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"schema_version": data.pop("schema_version"), **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunRecord":
+        validate_record(data)
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def _check_fraction(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= 1:
+        raise RecordError(f"{where} must be a number in [0, 1], got {value!r}")
+
+
+def _check_metrics(where: str, block: Any) -> None:
+    if not isinstance(block, dict):
+        raise RecordError(f"{where} must be an object with {', '.join(METRIC_KEYS)}")
+    for key in METRIC_KEYS:
+        if key not in block:
+            raise RecordError(f"{where}.{key} is missing")
+        _check_fraction(f"{where}.{key}", block[key])
+
+
+def validate_record(data: Any) -> None:
+    """Raise RecordError naming the first field that breaks the schema."""
+    if not isinstance(data, dict):
+        raise RecordError("a record must be a JSON object")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise RecordError(f"schema_version is {version!r}; this backdoorbench reads version {SCHEMA_VERSION}")
+    required = {f.name for f in fields(RunRecord)}
+    missing = sorted(required - data.keys())
+    if missing:
+        raise RecordError(f"missing fields: {', '.join(missing)}")
+    for key in ("run_id", "group_id", "created_at"):
+        if not isinstance(data[key], str) or not data[key]:
+            raise RecordError(f"{key} must be a non-empty string")
+    for key in ("dataset", "model", "attack", "defense", "metrics", "timings_s", "env", "config"):
+        if not isinstance(data[key], dict):
+            raise RecordError(f"{key} must be an object")
+    if isinstance(data["seed"], bool) or not isinstance(data["seed"], int):
+        raise RecordError(f"seed must be an integer, got {data['seed']!r}")
+    for key in ("name", "target_mode", "poison_rate", "n_poisoned", "poisoned_indices_sha256"):
+        if key not in data["attack"]:
+            raise RecordError(f"attack.{key} is missing")
+    if not isinstance(data["defense"].get("name"), str):
+        raise RecordError("defense.name must be a string")
+    metrics = data["metrics"]
+    _check_metrics("metrics.attacked", metrics.get("attacked"))
+    defended, der = metrics.get("defended"), metrics.get("der")
+    if (defended is None) != (der is None):
+        raise RecordError("metrics.defended and metrics.der must both be present or both null")
+    if defended is not None:
+        _check_metrics("metrics.defended", defended)
+        _check_fraction("metrics.der", der)
+    for key, value in data["timings_s"].items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise RecordError(f"timings_s.{key} must be a number >= 0, got {value!r}")
+
+
+def save_record(record: RunRecord, path: str | Path) -> Path:
+    """Validate, then write atomically (temp file + rename)."""
+    data = record.to_dict()
+    validate_record(data)
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def load_record(path: str | Path) -> RunRecord:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{path}: not a readable JSON record ({exc})") from exc
+    try:
+        return RunRecord.from_dict(data)
+    except RecordError as exc:
+        raise RecordError(f"{path}: {exc}") from exc
