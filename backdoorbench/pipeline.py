@@ -23,6 +23,7 @@ from backdoorbench.attacks.base import Attack
 from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
+from backdoorbench.defenses.runner import run_defense
 from backdoorbench.errors import ConfigError
 from backdoorbench.fileio import ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Each random stream gets its own generator so that, e.g., changing the defense never changes
 # which samples were poisoned.
-STREAMS = {"poison": 1, "train": 2, "clean_subset": 3, "defense": 4}
+STREAMS = {"poison": 1, "train": 2, "clean_subset": 3, "defense": 4, "defense_train": 5, "attack": 6}
 
 
 def stream(seed: int, name: str) -> torch.Generator:
@@ -89,6 +90,11 @@ def git_commit() -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
 
 
+def _program() -> str:
+    name = Path(sys.argv[0]).name
+    return "python -m backdoorbench" if name == "__main__.py" else name
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import numpy
     import torchvision
@@ -106,13 +112,14 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device": name,
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join([_program(), *sys.argv[1:]]),
     }
 
 
-def build_model(cfg: DictConfig, data: ImageDataset) -> Normalized:
+def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normalized:
+    """A fresh model of the configured architecture; `overrides` go to its constructor."""
     channels, height, _ = data.image_shape
-    net = instantiate(cfg.model, in_channels=channels, num_classes=data.num_classes, image_size=height)
+    net = instantiate(cfg.model, in_channels=channels, num_classes=data.num_classes, image_size=height, **overrides)
     return Normalized(net, data.mean, data.std)
 
 
@@ -139,19 +146,24 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
              data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)
 
     with timed(timings, "poison"):
+        attack.prepare(trainer=trainer, train=data.train, generator=stream(seed, "attack"),
+                       build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
         poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
     model = build_model(cfg, data)
     with timed(timings, "train"):
-        trainer.fit(model, poisoned.split, generator=stream(seed, "train"), desc="victim")
+        attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
 
-    defended = der = None
+    defended = der = detection = None
     defense_info: dict[str, Any] = {"name": "none"}
     if defense is not None:
-        if defense.stage != "post_train":
-            raise ConfigError(f"defense {defense.name!r} has stage {defense.stage!r}, which this pipeline cannot run yet")
         subset = clean_subset_indices(len(data.train), poisoned.indices, defense.clean_fraction, stream(seed, "clean_subset"))
+
+        def train_victim(net, wrap_step=None, train=None):
+            attack.train_victim(trainer, net, poisoned.split if train is None else train,
+                                stream(seed, "defense_train"), wrap_step=wrap_step)
+
         ctx = DefenseContext(
             model=model,
             poisoned_train=poisoned.split,
@@ -160,13 +172,14 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
             trainer=trainer,
             num_classes=data.num_classes,
             generator=stream(seed, "defense"),
+            build_model=lambda **kwargs: build_model(cfg, data, **kwargs),
+            train_victim=train_victim,
         )
         with timed(timings, "defense"):
-            result = defense.apply(ctx)
-        with timed(timings, "eval_defended"):
-            defended = evaluate(result.model, trainer, attack, data.test)
+            outcome = run_defense(defense, ctx, attack, data.test)
+        defended, detection = outcome.defended, outcome.detection
         der = defense_effectiveness_rating(attacked, defended)
-        defense_info = {**defense.describe(), "clean_subset_size": int(len(subset)), "extras": result.extras}
+        defense_info = {**defense.describe(), "clean_subset_size": int(len(subset)), "extras": outcome.extras}
     timings["total"] = round(time.perf_counter() - started, 4)
 
     record = RunRecord(
@@ -188,7 +201,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         },
         defense=defense_info,
         seed=seed,
-        metrics={"attacked": attacked, "defended": defended, "der": der},
+        metrics={"attacked": attacked, "defended": defended, "der": der, "detection": detection},
         timings_s=timings,
         env=environment(trainer.device),
         config=config,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from backdoorbench.attacks.targets import make_target_rule
 from backdoorbench.datasets.base import Split, to_float, to_uint8
@@ -30,6 +31,10 @@ def indices_sha256(indices: Tensor) -> str:
     """Hash of a sorted index set, so two records can show they poisoned the same samples."""
     data = indices.sort().values.to(torch.int64).cpu().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()
+
+
+StepFn = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+StepWrapper = Callable[[StepFn], StepFn]
 
 
 class Attack:
@@ -101,6 +106,30 @@ class Attack:
             labels[indices] = self.target_rule(labels[indices])
         return PoisonedData(Split(images, labels), indices)
 
+    def prepare(
+        self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]
+    ) -> None:
+        """Work before poisoning, called once per run: e.g. training a clean surrogate
+        (`build_model()` gives a fresh model of the run's architecture) for Label-Consistent or
+        TrojanNN, or Input-aware's mask pre-training. Nothing by default."""
+
+    def train_victim(
+        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+    ) -> None:
+        """Train the victim on the (already poisoned) split. `wrap_step` lets an in-training
+        defense add to the loss of every step the attack takes (e.g. a weight penalty)."""
+        from backdoorbench.train import cross_entropy_step
+
+        step = wrap_step(cross_entropy_step) if wrap_step is not None else cross_entropy_step
+        trainer.fit(model, train, generator=generator, step=step, desc="victim")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must be saved with the victim to poison new inputs later (learned triggers)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def describe(self) -> dict:
         """The attack's identity for the record."""
         return {
@@ -110,3 +139,29 @@ class Attack:
             "poison_rate": self.poison_rate,
             "clean_label": self.clean_label,
         }
+
+
+class TrainingAttack(Attack):
+    """Base of training-controlled attacks (WaNet, Input-aware, LIRA, WB): they leave the training
+    set clean and poison a `poison_rate` fraction of every batch inside their own training step.
+
+    Subclasses implement `apply_trigger` and `training_step`; those with a trigger generator
+    override `prepare` (e.g. mask pre-training), `train_victim` (e.g. LIRA's two stages; it is
+    called again when a defense retrains a model the attacker's way) and `state_dict`/
+    `load_state_dict` (saved with the victim).
+    """
+
+    def poison_indices(self, y: Tensor, generator: torch.Generator) -> Tensor:
+        return torch.empty(0, dtype=torch.int64)
+
+    def poison_dataset(self, train: Split, generator: torch.Generator, batch_size: int = 1024) -> PoisonedData:
+        return PoisonedData(train, self.poison_indices(train.labels, generator))
+
+    def training_step(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def train_victim(
+        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+    ) -> None:
+        step = wrap_step(self.training_step) if wrap_step is not None else self.training_step
+        trainer.fit(model, train, generator=generator, step=step, desc="victim")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -16,7 +17,13 @@ Stage = Literal["pre_train", "in_train", "post_train", "input"]
 
 @dataclass
 class DefenseContext:
-    """What every defense is given. `poisoned_indices` is for scoring only: a defense never reads it."""
+    """What every defense is given. `poisoned_indices` is for scoring only: a defense never reads it.
+
+    `build_model(**kwargs)` makes a fresh, untrained model of the run's architecture (kwargs go to
+    its constructor, e.g. `head=`); `train_victim(model, wrap_step=None, train=None)` trains it the
+    way the attacker trains the victim (the attack's own steps, on `train` or the poisoned split),
+    with `wrap_step` adding the defense's term to every step: in-training defenses use both.
+    """
 
     model: nn.Module
     poisoned_train: Split
@@ -25,13 +32,15 @@ class DefenseContext:
     trainer: Any
     num_classes: int
     generator: torch.Generator
+    build_model: Callable[..., nn.Module] | None = None
+    train_victim: Callable[..., None] | None = None
 
 
 @dataclass
 class DefenseResult:
     model: nn.Module | None = None  # a repaired model (post-training) or one trained with the defense
     sample_scores: Tensor | None = None  # suspicion per training sample (pre-training detection)
-    input_scores: Tensor | None = None  # suspicion per test input (input detection)
+    flagged: Tensor | None = None  # bool per training sample: the pre-training detector's verdict
     extras: dict[str, Any] = field(default_factory=dict)  # numbers the record keeps (floats, ints)
 
 
@@ -56,6 +65,18 @@ class Defense:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stage": self.stage, "clean_fraction": self.clean_fraction}
+
+
+class InputDefense(Defense):
+    """An inference-time detector: `apply(ctx)` calibrates it (e.g. a threshold at a chosen false
+    rejection rate on clean data); then `score_inputs` rates inputs, above `threshold` = rejected."""
+
+    stage = "input"
+    threshold: float
+
+    def score_inputs(self, model: nn.Module, x: Tensor) -> Tensor:
+        """Suspicion per input, higher = more likely triggered; `x` in [0, 1], (B, C, H, W)."""
+        raise NotImplementedError
 
 
 def clean_subset_indices(num_samples: int, poisoned: Tensor, fraction: float, generator: torch.Generator) -> Tensor:

@@ -13,7 +13,7 @@ def clean_accuracy(predictions: Tensor, labels: Tensor) -> float:
     """Fraction of clean test images classified as their label."""
     if len(labels) == 0:
         raise ValueError("clean accuracy of an empty test set is undefined")
-    return float((predictions == labels).float().mean())
+    return int((predictions == labels).sum()) / len(labels)
 
 
 def _attackable(labels: Tensor, target_rule: TargetRule) -> Tensor:
@@ -26,7 +26,7 @@ def attack_success_rate(triggered_predictions: Tensor, labels: Tensor, target_ru
     mask = _attackable(labels, target_rule)
     if not mask.any():
         raise ValueError("no test image has a target different from its label")
-    return float((triggered_predictions[mask] == target_rule(labels)[mask]).float().mean())
+    return int((triggered_predictions[mask] == target_rule(labels)[mask]).sum()) / int(mask.sum())
 
 
 def robust_accuracy(triggered_predictions: Tensor, labels: Tensor, target_rule: TargetRule) -> float:
@@ -34,7 +34,7 @@ def robust_accuracy(triggered_predictions: Tensor, labels: Tensor, target_rule: 
     mask = _attackable(labels, target_rule)
     if not mask.any():
         raise ValueError("no test image has a target different from its label")
-    return float((triggered_predictions[mask] == labels[mask]).float().mean())
+    return int((triggered_predictions[mask] == labels[mask]).sum()) / int(mask.sum())
 
 
 def defense_effectiveness_rating(before: dict[str, float], after: dict[str, float]) -> float:

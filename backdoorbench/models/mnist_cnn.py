@@ -13,8 +13,9 @@ class MnistCNN(ImageClassifier):
     """Two 5x5 conv blocks (32, 64 channels) with max-pooling, a 512-unit hidden layer, a linear head.
 
     The layout follows the MNIST classifier used by WaNet (Nguyen & Tran, ICLR 2021) and LIRA
-    (Doan et al., ICCV 2021). `norm_layer`, `act_layer` and `head` are arguments so defenses can
-    swap them (e.g. a bias-free head) without forking the network.
+    (Doan et al., ICCV 2021). `norm_layer`, `act_layer`, `head` and `feature_act` (the activation
+    on the penultimate features, default `act_layer`) are arguments so defenses can swap them
+    (e.g. a bias-free head on tanh features) without forking the network.
     """
 
     name = "mnist_cnn"
@@ -29,6 +30,7 @@ class MnistCNN(ImageClassifier):
         norm_layer: Callable[[int], nn.Module] = nn.BatchNorm2d,
         act_layer: Callable[[], nn.Module] = nn.ReLU,
         head: Callable[[int, int], nn.Module] = nn.Linear,
+        feature_act: Callable[[], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         side = ((image_size - 4) // 2 - 4) // 2  # two valid 5x5 convs, each followed by a 2x2 pool
@@ -46,7 +48,7 @@ class MnistCNN(ImageClassifier):
             nn.Flatten(),
             nn.Dropout(dropout),
             nn.Linear(64 * side * side, hidden),
-            act_layer(),
+            (feature_act or act_layer)(),
             nn.Dropout(dropout),
         )
         self.classifier = head(hidden, num_classes)

@@ -1,0 +1,98 @@
+"""Runs a defense of any stage and scores what it returns, the same way for every defense."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from backdoorbench.attacks.base import Attack
+from backdoorbench.datasets.base import Split, to_float
+from backdoorbench.defenses.base import Defense, DefenseContext, InputDefense
+from backdoorbench.errors import ConfigError
+from backdoorbench.metrics.accuracy import evaluate
+from backdoorbench.metrics.detection import auroc, detection_rates
+
+
+@dataclass
+class DefenseOutcome:
+    defended: dict[str, float]  # CA, ASR, RA of the defended system
+    detection: dict[str, Any] | None  # TPR, FPR, AUROC where the defense detects
+    extras: dict[str, Any]
+
+
+def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Split) -> DefenseOutcome:
+    """Apply `defense` to `ctx` and measure the defended model (or detector) on `test`."""
+    result = defense.apply(ctx)
+    extras = dict(result.extras)
+    trainer = ctx.trainer
+    if defense.stage in ("post_train", "in_train"):
+        if result.model is None:
+            raise RuntimeError(f"defense {defense.name} ({defense.stage}) returned no model")
+        return DefenseOutcome(evaluate(result.model, trainer, attack, test), None, extras)
+
+    if defense.stage == "pre_train":
+        if result.sample_scores is None or result.flagged is None:
+            raise RuntimeError(f"defense {defense.name} (pre_train) must return sample_scores and flagged")
+        is_poisoned = torch.zeros(len(ctx.poisoned_train), dtype=torch.bool)
+        is_poisoned[ctx.poisoned_indices] = True
+        detection = {
+            **detection_rates(result.flagged, is_poisoned),
+            "auroc": auroc(result.sample_scores, is_poisoned),
+            "n_flagged": int(result.flagged.sum()),
+        }
+        kept = torch.nonzero(~result.flagged.bool().cpu()).flatten()
+        if len(kept) == 0:
+            raise ConfigError(f"defense {defense.name} flagged every training sample; nothing is left to retrain on")
+        model = ctx.build_model()
+        ctx.train_victim(model, train=ctx.poisoned_train.subset(kept))
+        extras["n_kept"] = int(len(kept))
+        return DefenseOutcome(evaluate(model, trainer, attack, test), detection, extras)
+
+    if defense.stage == "input":
+        assert isinstance(defense, InputDefense)
+        return _score_input_defense(defense, ctx.model, trainer, attack, test, extras)
+    raise ConfigError(f"defense {defense.name!r} has unknown stage {defense.stage!r}")
+
+
+@torch.no_grad()
+def _score_input_defense(
+    defense: InputDefense, model: nn.Module, trainer, attack: Attack, test: Split, extras: dict[str, Any]
+) -> DefenseOutcome:
+    """Rejected inputs count as neither correct nor attacked: CA after = accepted and correct,
+    ASR after = accepted and sent to the target, RA after = accepted and correct."""
+    device = trainer.device
+    model = trainer.prepare(model).eval()
+    attackable = attack.target_rule(test.labels) != test.labels
+
+    def scores_and_predictions(images: torch.Tensor, triggered: bool):
+        scores, predictions = [], []
+        for start in range(0, len(images), trainer.eval_batch_size):
+            x = to_float(images[start : start + trainer.eval_batch_size].to(device))
+            if triggered:
+                x = attack.apply_trigger(x)
+            scores.append(defense.score_inputs(model, x).float().cpu())
+            predictions.append(model(x).argmax(1).cpu())
+        return torch.cat(scores), torch.cat(predictions)
+
+    clean_scores, clean_pred = scores_and_predictions(test.images, triggered=False)
+    bad_scores, bad_pred = scores_and_predictions(test.images[attackable], triggered=True)
+    labels = test.labels[attackable]
+    targets = attack.target_rule(labels)
+    clean_ok = clean_scores <= defense.threshold
+    bad_ok = bad_scores <= defense.threshold
+    is_bad = torch.cat([torch.zeros(len(clean_scores), dtype=torch.bool), torch.ones(len(bad_scores), dtype=torch.bool)])
+    all_scores = torch.cat([clean_scores, bad_scores])
+    detection = {
+        **detection_rates(all_scores > defense.threshold, is_bad),
+        "auroc": auroc(all_scores, is_bad),
+        "threshold": float(defense.threshold),
+    }
+    defended = {
+        "clean_acc": int(((clean_pred == test.labels) & clean_ok).sum()) / len(test.labels),
+        "asr": int(((bad_pred == targets) & bad_ok).sum()) / len(labels),
+        "ra": int(((bad_pred == labels) & bad_ok).sum()) / len(labels),
+    }
+    return DefenseOutcome(defended, detection, extras)
