@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,7 +25,7 @@ from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
 from backdoorbench.defenses.runner import run_defense
-from backdoorbench.errors import ConfigError
+from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.fileio import ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
 from backdoorbench.models.base import Normalized
@@ -116,10 +117,24 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
+def build(node: Any, **kwargs: Any) -> Any:
+    """hydra.utils.instantiate, but a UserError raised by the target surfaces as itself, so the
+    command line can print its one line instead of Hydra's wrapped traceback."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
 def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normalized:
     """A fresh model of the configured architecture; `overrides` go to its constructor."""
     channels, height, _ = data.image_shape
-    net = instantiate(cfg.model, in_channels=channels, num_classes=data.num_classes, image_size=height, **overrides)
+    net = build(cfg.model, in_channels=channels, num_classes=data.num_classes, image_size=height, **overrides)
     return Normalized(net, data.mean, data.std)
 
 
@@ -134,13 +149,13 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     timings: dict[str, float] = {}
     started = time.perf_counter()
     torch.manual_seed(seed)
-    logger = instantiate(cfg.logger) if cfg.logger is not None else None
+    logger = build(cfg.logger) if cfg.logger is not None else None
 
     with timed(timings, "data"):
-        data: ImageDataset = instantiate(cfg.dataset)
-    attack: Attack = instantiate(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
-    defense: Defense | None = instantiate(cfg.defense) if cfg.defense is not None else None
-    trainer = instantiate(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
+        data: ImageDataset = build(cfg.dataset)
+    attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
+    defense: Defense | None = build(cfg.defense) if cfg.defense is not None else None
+    trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
     log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
              data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)

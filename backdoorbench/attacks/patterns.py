@@ -32,9 +32,8 @@ def load_pattern(spec: str, shape: tuple[int, int, int], seed: int = 0) -> Tenso
         array = getattr(skimage.data, spec)()
     else:
         array = _read_image_file(spec)
-    image = torch.from_numpy(np.ascontiguousarray(array)).float()
-    if image.max() > 1.0:
-        image = image / 255.0
+    scale = 255.0 if np.issubdtype(array.dtype, np.integer) else 1.0
+    image = torch.from_numpy(np.array(array, dtype=np.float32)) / scale
     if image.dim() == 2:
         image = image.unsqueeze(-1)
     image = image[..., :3].permute(2, 0, 1)  # drop alpha; HWC -> CHW

@@ -1,0 +1,95 @@
+"""The Hydra app end to end: a tiny real run, sweeps, --cfg, and every bad input the issue names."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backdoorbench.records import load_record
+from tests.conftest import run_cli
+
+
+def records_under(results_dir: Path) -> list[Path]:
+    return sorted((results_dir / "runs").rglob("*.json")) if (results_dir / "runs").exists() else []
+
+
+def test_one_epoch_run_writes_a_valid_record(tmp_path):
+    proc = run_cli("trainer.epochs=1", "defense=fine_tuning", "defense.epochs=1", f"results_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    [path] = records_under(tmp_path)
+    assert f"record: {path}" in proc.stdout
+    record = load_record(path)
+    assert record.dataset["name"] == "mnist5k" and record.dataset["n_train"] == 4000 and record.dataset["n_test"] == 1000
+    assert record.attack["name"] == "badnets" and record.attack["n_poisoned"] == 400
+    assert record.defense["name"] == "fine_tuning" and record.defense["clean_subset_size"] == 200
+    assert record.metrics["defended"] is not None and 0 <= record.metrics["der"] <= 1
+    assert record.config["trainer"]["epochs"] == 1 and record.overrides[0] == "trainer.epochs=1"
+    assert record.env["torch"] and "git_commit" in record.env
+    assert {"data", "poison", "train", "eval_attacked", "defense", "total"} <= record.timings_s.keys()
+    epochs_csv = path.with_suffix(".epochs.csv").read_text().splitlines()
+    assert epochs_csv[0].startswith("stage,epoch,loss") and len(epochs_csv) == 3  # victim + fine-tune epoch
+    assert "CA" in proc.stdout and "ASR" in proc.stdout
+
+
+def test_multirun_sweeps_attacks_and_seeds(tmp_path):
+    proc = run_cli("--multirun", "attack=badnets,blended", "seed=0,1", "trainer.epochs=0", f"results_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    records = [load_record(p) for p in records_under(tmp_path)]
+    assert sorted((r.attack["name"], r.seed) for r in records) == [("badnets", 0), ("badnets", 1), ("blended", 0), ("blended", 1)]
+    assert len({r.run_id for r in records}) == 4 and len({r.group_id for r in records}) == 2
+    assert (tmp_path / "hydra" / "multirun").is_dir()  # Hydra's own outputs follow results_dir
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path):
+    proc = run_cli("--cfg", "job", "attack=blended", "attack.target_mode=all2all", f"results_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert "Blended" in proc.stdout and "target_mode: all2all" in proc.stdout
+    assert not records_under(tmp_path)
+
+
+BAD_INPUTS = [
+    (["attack=nope"], "unknown attack 'nope'; choose one of: "),
+    (["defense=nope"], "unknown defense 'nope'; choose one of: "),
+    (["dataset=nope"], "unknown dataset 'nope'; choose one of: "),
+    (["model=nope"], "unknown model 'nope'; choose one of: "),
+    (["--multirun", "attack=badnets,nope"], "unknown attack 'nope'"),
+    (["attack.poison_rate=0"], "attack.poison_rate=0 is out of range"),
+    (["attack.poison_rate=1.5"], "attack.poison_rate=1.5 is out of range"),
+    (["attack.poison_rate=-0.1"], "attack.poison_rate=-0.1 is out of range"),
+    (["attack.target=10"], "attack.target=10 is out of range; use an integer in [0, 9]"),
+    (["attack.target=-1"], "attack.target=-1 is out of range"),
+    (["trainer.epochs=-1"], "trainer.epochs=-1 is invalid"),
+    (["trainer.epochz=3"], "trainer.epochz"),
+    (["seed=abc"], "seed=abc"),
+    (["attack.target_mode=some2some"], "attack.target_mode='some2some' is unknown; choose one of: all2one, all2all"),
+    (["attack=blended", "attack.pattern=/no/such/file.png"], "pattern '/no/such/file.png' is neither"),
+    (["defense=fine_tuning", "defense.clean_fraction=0"], "defense.clean_fraction=0 is out of range"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_no_record(tmp_path, args, message):
+    proc = run_cli("trainer.epochs=0", *args, f"results_dir={tmp_path}")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+    assert not records_under(tmp_path)
+
+
+def test_unwritable_results_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a folder")
+    proc = run_cli("trainer.epochs=0", f"results_dir={blocker}/sub")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: results_dir='{blocker}/sub' cannot be written")
+    assert "Traceback" not in proc.stderr
+
+
+def test_leaderboard_module_runs_on_app_output(tmp_path):
+    assert run_cli("trainer.epochs=0", f"results_dir={tmp_path}").returncode == 0
+    proc = run_cli(f"results_dir={tmp_path}", module="backdoorbench.leaderboard")
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "leaderboard.md").read_text()
+    assert "| mnist5k | mnist_cnn | badnets | all2one(0) | 0.1 | none |" in text
+    assert json.loads(records_under(tmp_path)[0].read_text())["schema_version"] == 1

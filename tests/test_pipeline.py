@@ -1,0 +1,52 @@
+"""The pipeline in-process: determinism on the CPU, the run id, and the trainer's hooks."""
+
+import torch
+
+from backdoorbench.pipeline import config_hash, run
+
+
+def test_same_seed_same_numbers_and_other_seed_other_numbers(tmp_path, compose_cfg):
+    def metrics(seed, sub):
+        cfg = compose_cfg("trainer.epochs=1", f"seed={seed}", f"results_dir={tmp_path / sub}", "trainer.progress=false")
+        record, _ = run(cfg)
+        return record
+
+    first, again, other = metrics(0, "a"), metrics(0, "b"), metrics(1, "c")
+    assert first.metrics == again.metrics
+    assert first.run_id == again.run_id  # results_dir does not change the run id
+    assert first.attack["poisoned_indices_sha256"] == again.attack["poisoned_indices_sha256"]
+    assert other.attack["poisoned_indices_sha256"] != first.attack["poisoned_indices_sha256"]
+    assert other.group_id == first.group_id and other.run_id != first.run_id
+
+
+def test_config_hash_ignores_only_the_named_keys():
+    base = {"seed": 0, "trainer": {"epochs": 1, "progress": True}, "results_dir": "a"}
+    moved = {**base, "results_dir": "b", "trainer": {"epochs": 1, "progress": False}}
+    drop = ("results_dir", "trainer.progress")
+    assert config_hash(base, drop) == config_hash(moved, drop)
+    assert config_hash(base, drop) != config_hash({**base, "seed": 1}, drop)
+
+
+def test_defense_changes_do_not_change_the_poisoned_set(tmp_path, compose_cfg):
+    a, _ = run(compose_cfg("trainer.epochs=0", f"results_dir={tmp_path}"))
+    b, _ = run(compose_cfg("trainer.epochs=0", "defense=fine_tuning", "defense.epochs=1", f"results_dir={tmp_path}"))
+    assert a.attack["poisoned_indices_sha256"] == b.attack["poisoned_indices_sha256"]
+    assert a.metrics["attacked"] == b.metrics["attacked"]
+
+
+def test_training_step_hook_replaces_the_loss(mnist5k):
+    from backdoorbench.models.base import Normalized
+    from backdoorbench.models.mnist_cnn import MnistCNN
+    from backdoorbench.train import Trainer
+
+    calls = []
+
+    def step(model, x, y):
+        calls.append(len(y))
+        logits = model(x)
+        return torch.nn.functional.cross_entropy(logits, y), logits, y
+
+    trainer = Trainer(epochs=1, batch_size=500, device="cpu", progress=False)
+    model = Normalized(MnistCNN(), mnist5k.mean, mnist5k.std)
+    history = trainer.fit(model, mnist5k.train, generator=torch.Generator().manual_seed(0), step=step)
+    assert sum(calls) == 4000 and len(history) == 1 and history[0]["loss"] > 0
