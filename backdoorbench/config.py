@@ -7,7 +7,7 @@ Hydra checks overrides against these types at composition, so `seed=abc` or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -28,7 +28,15 @@ class TrainerSchema:
     augment: bool = True
     amp: bool = True
     channels_last: bool = True
+    compile: bool = False
     progress: bool = True
+
+
+@dataclass
+class EvalSchema:
+    stealth_images: int = 1000  # test images, a fixed seeded choice, for PSNR/SSIM/LPIPS/L_inf/L_2
+    stealth_seed: int = 0  # fixed, not the run seed, so every run is measured on the same images
+    lpips_weights: Optional[str] = None  # AlexNet ImageNet weights file; null = torch hub cache
 
 
 @dataclass
@@ -39,13 +47,14 @@ class RunSchema:
     defense: Any = None
     trainer: TrainerSchema = MISSING
     logger: Any = None
+    eval: EvalSchema = field(default_factory=EvalSchema)
     seed: int = 0
     device: str = "auto"
     results_dir: str = "results"
 
 
 # Keys that change where or how a run reports, never what it computes; left out of the run id.
-NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress")
+NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weights")
 
 store = ConfigStore.instance()
 store.store(name="run_schema", node=RunSchema)

@@ -1,13 +1,31 @@
-"""Per-epoch loggers, selected by `logger=<name>`; `logger=none` keeps only the record."""
+"""Run loggers, selected by `logger=<name>`; `logger=none` keeps only the record.
+
+Every logger has the same five calls, made by the pipeline in this order:
+`start(run_id=, group_id=, config=, results_dir=)` once, `log_epoch(row)` per training epoch,
+`log_images(name, images)` for trigger examples, `log_summary(record)` with the finished record,
+and `finish(record_path)` after the record is written.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from torch import Tensor
+
+from backdoorbench.errors import ConfigError
 from backdoorbench.fileio import atomic_write_text
+
+
+class RunLogger(Protocol):
+    def start(self, *, run_id: str, group_id: str | None, config: dict[str, Any], results_dir: Path) -> None: ...
+    def log_epoch(self, row: dict[str, Any]) -> None: ...
+    def log_images(self, name: str, images: Tensor) -> None: ...
+    def log_summary(self, record: dict[str, Any]) -> None: ...
+    def finish(self, record_path: Path) -> Path | None: ...
 
 
 class CsvLogger:
@@ -16,15 +34,118 @@ class CsvLogger:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
 
+    def start(self, *, run_id: str, group_id: str | None = None, config: dict[str, Any] | None = None,
+              results_dir: Path | None = None) -> None:
+        """Nothing to open: the CSV is written once, next to the record, when the run ends."""
+
     def log_epoch(self, row: dict[str, Any]) -> None:
         self.rows.append(dict(row))
+
+    def log_images(self, name: str, images: Tensor) -> None:
+        """A CSV holds no images; the record and the attack's config reproduce them."""
+
+    def log_summary(self, record: dict[str, Any]) -> None:
+        """The record itself is the summary."""
 
     def finish(self, record_path: Path) -> Path | None:
         if not self.rows:
             return None
+        # Stages log different columns (a defense may add its own); the union keeps every value.
         columns = list(dict.fromkeys(key for row in self.rows for key in row))
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.rows)
-        return atomic_write_text(record_path.with_suffix(".epochs.csv"), buffer.getvalue())
+        return atomic_write_text(Path(record_path).with_suffix(".epochs.csv"), buffer.getvalue())
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def image_grid(images: Tensor, nrow: int = 8) -> Any:
+    """(N, C, H, W) images, float in [0, 1] or uint8, as one (H', W', 3) uint8 numpy grid."""
+    from torchvision.utils import make_grid
+
+    images = images.detach().cpu()
+    images = images.float() / 255 if not images.is_floating_point() else images.float().clamp(0, 1)
+    if images.shape[1] == 1:
+        images = images.expand(-1, 3, -1, -1)
+    grid = make_grid(images, nrow=nrow, padding=2, pad_value=1.0)
+    return (grid * 255).round().byte().permute(1, 2, 0).numpy()
+
+
+class WandbLogger:
+    """Weights & Biases: the resolved config, per-epoch metrics, trigger image grids, and the final
+    record as the run summary.
+
+    Offline unless a mode is chosen (`logger.mode=online`, or WANDB_MODE in the environment), so a
+    run never needs the network; upload later with `wandb sync <dir>/wandb/offline-run-*`.
+    Files go under `dir` (default `<results_dir>/wandb`). Runs that differ only in seed share a group.
+    """
+
+    def __init__(self, project: str = "backdoorbench", entity: str | None = None, mode: str | None = None,
+                 tags: list[str] | tuple[str, ...] = (), dir: str | None = None) -> None:
+        self.project, self.entity, self.tags, self.dir = project, entity, list(tags), dir
+        self.mode = self._resolve_mode(mode)
+        self.run: Any = None
+        self._stages: set[str] = set()
+
+    @staticmethod
+    def _resolve_mode(mode: str | None) -> str:
+        source, value = ("logger.mode", mode) if mode is not None else ("WANDB_MODE", os.environ.get("WANDB_MODE"))
+        if value is None or value == "":
+            return "offline"
+        if value not in WANDB_MODES:
+            raise ConfigError(f"{source}={value!r} is not a wandb mode; use one of {', '.join(WANDB_MODES)}")
+        return value
+
+    def start(self, *, run_id: str, group_id: str | None = None, config: dict[str, Any] | None = None,
+              results_dir: Path | None = None) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ConfigError("logger=wandb needs the wandb package; pip install wandb, or use logger=csv") from exc
+        folder = Path(self.dir if self.dir is not None else Path(results_dir or ".") / "wandb").expanduser()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(
+                project=self.project, entity=self.entity, mode=self.mode, tags=self.tags, dir=str(folder),
+                name=run_id, group=group_id, config=config, reinit="finish_previous",
+            )
+        except wandb.errors.Error as exc:  # e.g. online without an API key
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"logger=wandb could not start in mode {self.mode!r} ({message}); "
+                              "use logger.mode=offline or run `wandb login`") from exc
+
+    def _require_run(self) -> Any:
+        if self.run is None:
+            raise RuntimeError("WandbLogger.start() must be called before logging")
+        return self.run
+
+    def log_epoch(self, row: dict[str, Any]) -> None:
+        run = self._require_run()
+        stage = str(row.get("stage", "train"))
+        if stage not in self._stages:
+            # Plot each training stage (victim, fine-tune, ...) against its own epoch counter.
+            run.define_metric(f"{stage}/epoch")
+            run.define_metric(f"{stage}/*", step_metric=f"{stage}/epoch")
+            self._stages.add(stage)
+        run.log({f"{stage}/{key}": value for key, value in row.items()
+                 if key != "stage" and isinstance(value, (int, float)) and not isinstance(value, bool)})
+
+    def log_images(self, name: str, images: Tensor, caption: str | None = None) -> None:
+        import wandb
+
+        self._require_run().log({f"images/{name}": wandb.Image(image_grid(images), caption=caption)})
+
+    def log_summary(self, record: dict[str, Any]) -> None:
+        # The config is already the run's config; the rest (metrics, stealth, timings, ...) is the summary.
+        self._require_run().summary.update({key: value for key, value in record.items() if key != "config"})
+
+    def finish(self, record_path: Path) -> Path | None:
+        run = self._require_run()
+        run.summary["record_path"] = str(record_path)
+        folder = Path(run.dir).parent  # <dir>/wandb/<offline-run-...>/files -> the run's folder
+        run.finish()
+        self.run = None
+        return folder

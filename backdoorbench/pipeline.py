@@ -28,6 +28,7 @@ from backdoorbench.defenses.runner import run_defense
 from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.fileio import ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
+from backdoorbench.metrics.stealth import stealth_metrics
 from backdoorbench.models.base import Normalized
 from backdoorbench.records import RunRecord, save_record
 
@@ -68,6 +69,8 @@ def validate_config(cfg: DictConfig) -> None:
     target = cfg.attack.get("target")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 0):
         raise ConfigError(f"attack.target={target!r} is out of range; use an integer class index >= 0")
+    if cfg.eval.stealth_images < 0:
+        raise ConfigError(f"eval.stealth_images={cfg.eval.stealth_images} is invalid; use an integer >= 0 (0 = skip)")
     ensure_writable_dir(cfg.results_dir)
 
 
@@ -138,6 +141,20 @@ def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normal
     return Normalized(net, data.mean, data.std)
 
 
+@torch.no_grad()
+def measure_stealth(attack: Attack, data: ImageDataset, eval_cfg: DictConfig, device: torch.device):
+    """Stealth metrics of `apply_trigger` on a fixed, seeded set of test images, and a few
+    clean/poisoned pairs for the logger's image grid."""
+    count = min(eval_cfg.stealth_images, len(data.test))
+    if count < 1:
+        return None, None
+    pick = torch.randperm(len(data.test), generator=torch.Generator().manual_seed(eval_cfg.stealth_seed))[:count]
+    clean = data.test.subset(pick.sort().values).float_images()
+    poisoned = torch.cat([attack.apply_trigger(chunk.to(device)).cpu() for chunk in clean.split(1024)])
+    stealth = stealth_metrics(clean, poisoned, lpips_weights=eval_cfg.lpips_weights, device=device)
+    return stealth, torch.cat([clean[:8], poisoned[:8]])
+
+
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord, Path]:
     """Run one resolved config end to end; return the record and the path it was written to."""
     validate_config(cfg)
@@ -150,6 +167,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     started = time.perf_counter()
     torch.manual_seed(seed)
     logger = build(cfg.logger) if cfg.logger is not None else None
+    if logger is not None:
+        logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
 
     with timed(timings, "data"):
         data: ImageDataset = build(cfg.dataset)
@@ -169,6 +188,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
+    with timed(timings, "stealth"):
+        stealth, examples = measure_stealth(attack, data, cfg.eval, trainer.device)
+    if logger is not None and examples is not None:
+        logger.log_images("clean_vs_poisoned", examples)
 
     defended = der = detection = None
     defense_info: dict[str, Any] = {"name": "none"}
@@ -217,6 +240,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         defense=defense_info,
         seed=seed,
         metrics={"attacked": attacked, "defended": defended, "der": der, "detection": detection},
+        stealth=stealth,
         timings_s=timings,
         env=environment(trainer.device),
         config=config,
@@ -225,6 +249,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
     save_record(record, path)
     if logger is not None:
+        logger.log_summary(record.to_dict())
         logger.finish(path)
     return record, path
 

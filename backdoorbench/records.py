@@ -33,6 +33,7 @@ class RunRecord:
     defense: dict[str, Any]
     seed: int
     metrics: dict[str, Any]
+    stealth: dict[str, Any] | None
     timings_s: dict[str, float]
     env: dict[str, Any]
     config: dict[str, Any]
@@ -95,6 +96,8 @@ def validate_record(data: Any) -> None:
     if defended is not None:
         _check_metrics("metrics.defended", defended)
         _check_fraction("metrics.der", der)
+    if data["stealth"] is not None and not isinstance(data["stealth"], dict):
+        raise RecordError("stealth must be an object or null")
     for key, value in data["timings_s"].items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise RecordError(f"timings_s.{key} must be a number >= 0, got {value!r}")

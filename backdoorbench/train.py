@@ -1,17 +1,23 @@
 """The one trainer every attack and defense uses: data on the device, batched augmentation, hooks.
 
 The whole training split lives on the training device as one uint8 tensor; each step indexes a
-batch, converts it to [0, 1] floats and augments it with tensor ops (random crop with zero
-padding, horizontal flip where the dataset allows it). Training-time attacks and in-training
-defenses replace the per-batch loss through the `step` hook.
+batch, augments it with tensor ops (random crop with zero padding, horizontal flip where the
+dataset allows it) and converts it to [0, 1] floats. The epoch's shuffle and augmentation draws
+are made once per epoch on the CPU generator and moved to the device in one copy, and metrics
+are summed on the device, so the loop never waits for the GPU. Training-time attacks and in-training
+defenses replace the per-batch loss through the `step` hook. `fit(..., checkpoint=path)` saves
+after every epoch and resumes from that file, bit-exactly on the CPU.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +26,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from backdoorbench.datasets.base import Split, to_float
-from backdoorbench.errors import ConfigError, UserError
+from backdoorbench.errors import ConfigError, DataError, UserError
 
 # A step maps (model, augmented images in [0, 1], labels) to (loss, logits, labels scored).
 StepFn = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
@@ -51,21 +57,58 @@ def cross_entropy_step(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, 
 
 def augment_batch(x: Tensor, generator: torch.Generator, crop_padding: int, hflip: bool) -> Tensor:
     """Random crop after zero padding by `crop_padding` px, and random horizontal flips, per image."""
-    batch, _, height, width = x.shape
-    if crop_padding > 0:
-        padded = F.pad(x, (crop_padding,) * 4)
+    offsets, flips = draw_augmentation(len(x), generator, crop_padding, hflip)
+    return apply_augmentation(x, offsets, flips, crop_padding)
+
+
+def draw_augmentation(
+    count: int, generator: torch.Generator, crop_padding: int, hflip: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Crop offsets (count, 2) in [0, 2 * crop_padding] and flip coins (count,), drawn on the CPU;
+    None for an augmentation that is off (then nothing is drawn)."""
+    offsets = torch.randint(2 * crop_padding + 1, (count, 2), generator=generator) if crop_padding > 0 else None
+    flips = torch.rand(count, generator=generator) < 0.5 if hflip else None
+    return offsets, flips
+
+
+def apply_augmentation(x: Tensor, offsets: Tensor | None, flips: Tensor | None, crop_padding: int) -> Tensor:
+    """Crop each image of `x` (any dtype) at its offset in the zero-padded image, then flip those
+    whose coin is set; offsets and coins are moved to `x`'s device if they are not there."""
+    batch, channels, height, width = x.shape
+    if offsets is not None:
+        offsets = _to_device(offsets, x.device)
+        padded = F.pad(x, (crop_padding,) * 4).contiguous()
         span = 2 * crop_padding + 1
-        off_h = torch.randint(span, (batch,), generator=generator).to(x.device)
-        off_w = torch.randint(span, (batch,), generator=generator).to(x.device)
-        rows = (off_h[:, None] + torch.arange(height, device=x.device)[None, :])[:, None, :, None]
-        cols = (off_w[:, None] + torch.arange(width, device=x.device)[None, :])[:, None, None, :]
-        channel = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-        sample = torch.arange(batch, device=x.device)[:, None, None, None]
-        x = padded[sample, channel, rows, cols]
-    if hflip:
-        flip = (torch.rand(batch, generator=generator) < 0.5).to(x.device)[:, None, None, None]
-        x = torch.where(flip, x.flip(3), x)
+        padded_h, padded_w = height + 2 * crop_padding, width + 2 * crop_padding
+        # A view of every crop, (B, C, dy, dx, H, W), no copy; indexing it copies one crop per
+        # image: 3-4x faster than gathering each pixel with its own index.
+        windows = padded.as_strided(
+            (batch, channels, span, span, height, width),
+            (channels * padded_h * padded_w, padded_h * padded_w, padded_w, 1, padded_w, 1),
+        )
+        x = windows[torch.arange(batch, device=x.device), :, offsets[:, 0], offsets[:, 1]]
+    if flips is not None:
+        x = torch.where(_to_device(flips, x.device)[:, None, None, None], x.flip(3), x)
     return x
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A copy from pageable host memory makes the host wait for the GPU; from pinned memory it
+    is queued like a kernel (the caching host allocator keeps the buffer alive until it ran)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def batch_bounds(count: int, batch_size: int) -> list[tuple[int, int]]:
+    """(start, stop) of each batch; a last batch of one sample joins the one before it, because
+    batch norm cannot train on a single sample (it raises on a (1, C) input)."""
+    starts = list(range(0, count, batch_size))
+    if len(starts) > 1 and count - starts[-1] == 1:
+        starts.pop()
+    return [(start, min(start + batch_size, count) if i < len(starts) - 1 else count) for i, start in enumerate(starts)]
 
 
 def _cosine(progress: float, milestones, gamma) -> float:
@@ -81,6 +124,9 @@ def _constant(progress: float, milestones, gamma) -> float:
 
 
 SCHEDULES = {"cosine": _cosine, "multistep": _multistep, "constant": _constant}
+
+
+CHECKPOINT_FORMAT = "backdoorbench.trainer_checkpoint.v1"
 
 
 class Trainer:
@@ -107,6 +153,7 @@ class Trainer:
         hflip: bool = False,
         amp: bool = True,
         channels_last: bool = True,
+        compile: bool = False,
         progress: bool = True,
         device: str | torch.device = "cpu",
     ) -> None:
@@ -117,6 +164,8 @@ class Trainer:
                 raise ConfigError(f"trainer.{key}={value!r} is invalid; use an integer >= 1")
         if schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={schedule!r} is unknown; choose one of: {', '.join(SCHEDULES)}")
+        if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
+            raise ConfigError(f"crop_padding={crop_padding!r} is invalid; use an integer >= 0")
         self.epochs = epochs
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
@@ -129,6 +178,8 @@ class Trainer:
         on_cuda = self.device.type == "cuda"
         self.amp = amp and on_cuda  # bf16 autocast only where it pays off
         self.memory_format = torch.channels_last if channels_last and on_cuda else torch.contiguous_format
+        # Allowed on the CPU too (inductor needs a C++ compiler there), but only asked for on CUDA.
+        self.compile = bool(compile)
         self.progress = progress
         self.on_epoch: EpochCallback | None = None  # default per-epoch callback (the run's logger)
 
@@ -137,6 +188,11 @@ class Trainer:
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+
+    def _compiled(self, model: nn.Module) -> nn.Module:
+        """`model` itself, or a torch.compile wrapper sharing its parameters (`trainer.compile`).
+        The wrapper is never returned to the caller, so state dicts keep their plain keys."""
+        return torch.compile(model) if self.compile else model
 
     def fit(
         self,
@@ -150,40 +206,67 @@ class Trainer:
         extra_params: list[nn.Parameter] | None = None,
         desc: str = "train",
         on_epoch: EpochCallback | None = None,
+        checkpoint: str | Path | None = None,
     ) -> list[dict[str, Any]]:
         """Train `model` on `split`; returns one dict per epoch (loss, accuracy, lr, seconds).
 
         `generator` (a CPU generator) drives shuffling and augmentation, so runs are seeded.
         `step` replaces plain cross-entropy (training-time attacks, in-training defenses).
+        `checkpoint`: a file written (atomically) after every epoch with the model, optimizer,
+        schedule, generator and global RNG states; if it exists when fit starts, training goes
+        on from the epoch after it, ending exactly where an uninterrupted fit would (bit-exact
+        on the CPU). State a `step` keeps outside the model (e.g. a trigger generator's own
+        optimizer) is not in it. Epochs restored from it are not passed to `on_epoch` again.
         """
         epochs = self.epochs if epochs is None else epochs
         model = self.prepare(model)
-        params = [p for p in model.parameters() if p.requires_grad] + list(extra_params or [])
+        net = self._compiled(model)
+        extra = list(extra_params or [])
+        params = [p for p in model.parameters() if p.requires_grad] + extra
         optimizer = self.optimizer(params)
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
+        # Stepped once per epoch: the factor of epoch e (0-based) is schedule(e / epochs).
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: self.schedule(e / max(epochs, 1)))
+        history: list[dict[str, Any]] = []
+        meta = {"desc": desc, "epochs": epochs, "samples": len(split), "batch_size": self.batch_size}
+        done = 0
+        if checkpoint is not None:
+            checkpoint = Path(checkpoint).expanduser()
+            if checkpoint.exists():
+                done, history = load_checkpoint(checkpoint, meta, model, optimizer, scheduler, generator, extra)
         images = split.images.to(self.device)
         labels = split.labels.to(self.device)
-        history: list[dict[str, Any]] = []
-        for epoch in range(1, epochs + 1):
+        bounds = batch_bounds(len(split), self.batch_size)
+        for epoch in range(done + 1, epochs + 1):
             model.train()
             started = time.perf_counter()
-            order = torch.randperm(len(split), generator=generator).to(self.device)
+            # All of the epoch's random draws at once and one copy to the device, rather than
+            # small host tensors every batch (each would be a synchronising copy on CUDA).
+            order = torch.randperm(len(split), generator=generator)
+            offsets = flips = None
+            if self.augment:
+                offsets, flips = draw_augmentation(len(split), generator, self.crop_padding, self.hflip)
+            order, offsets, flips = (_to_device(t, self.device) if t is not None else None for t in (order, offsets, flips))
             loss_sum = torch.zeros((), device=self.device)
             correct = torch.zeros((), device=self.device, dtype=torch.long)
             seen = 0
-            batches = range(0, len(order), self.batch_size)
-            bar = tqdm(batches, desc=f"{desc} {epoch}/{epochs}", leave=False, disable=None if self.progress else True)
-            for i, start in enumerate(bar):
-                idx = order[start : start + self.batch_size]
-                x = to_float(images[idx])
+            bar = tqdm(bounds, desc=f"{desc} {epoch}/{epochs}", leave=False, disable=None if self.progress else True)
+            for i, (start, stop) in enumerate(bar):
+                idx = order[start:stop]
+                batch = images[idx]
                 if self.augment:
-                    x = augment_batch(x, generator, self.crop_padding, self.hflip)
-                x = x.contiguous(memory_format=self.memory_format)
+                    # Cropping and flipping the uint8 batch moves a quarter of the bytes of a float one.
+                    batch = apply_augmentation(
+                        batch,
+                        offsets[start:stop] if offsets is not None else None,
+                        flips[start:stop] if flips is not None else None,
+                        self.crop_padding,
+                    )
+                x = to_float(batch).contiguous(memory_format=self.memory_format)
                 with self._autocast():
-                    loss, logits, scored = step(model, x, labels[idx])
+                    loss, logits, scored = step(net, x, labels[idx])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -191,7 +274,7 @@ class Trainer:
                 loss_sum += loss.detach() * len(scored)
                 correct += (logits.detach().argmax(1) == scored).sum()
                 seen += len(scored)
-                if i % 50 == 49:
+                if i % 50 == 49 and not bar.disable:
                     bar.set_postfix(loss=f"{loss_sum.item() / seen:.4f}", acc=f"{correct.item() / seen:.4f}")
             bar.close()
             mean_loss = loss_sum.item() / max(seen, 1)
@@ -207,6 +290,8 @@ class Trainer:
             }
             scheduler.step()
             history.append(row)
+            if checkpoint is not None:
+                save_checkpoint(checkpoint, meta, epoch, model, optimizer, scheduler, generator, extra, history)
             callback = on_epoch or self.on_epoch
             if callback is not None:
                 callback(row)
@@ -218,11 +303,94 @@ class Trainer:
         (e.g. an attack's `apply_trigger`) after conversion to [0, 1]."""
         model = self.prepare(model)
         model.eval()
+        net = self._compiled(model)
         out = []
         for start in range(0, len(images), self.eval_batch_size):
-            x = to_float(images[start : start + self.eval_batch_size].to(self.device))
+            x = to_float(_to_device(images[start : start + self.eval_batch_size], self.device))
             if transform is not None:
                 x = transform(x)
             with self._autocast():
-                out.append(model(x.contiguous(memory_format=self.memory_format)).argmax(1))
+                out.append(net(x.contiguous(memory_format=self.memory_format)).argmax(1))
         return torch.cat(out).cpu() if out else torch.empty(0, dtype=torch.long)
+
+
+def save_checkpoint(
+    path: Path,
+    meta: dict[str, Any],
+    epoch: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    generator: torch.Generator,
+    extra_params: list[nn.Parameter],
+    history: list[dict[str, Any]],
+) -> None:
+    """Write the state after `epoch` to a temp file beside `path`, then rename it over `path`,
+    so a crash mid-write leaves the previous epoch's checkpoint intact."""
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "meta": meta,
+        "epoch": epoch,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "generator": generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "extra_params": [p.detach().cpu() for p in extra_params],
+        "history": history,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(
+    path: Path,
+    meta: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    generator: torch.Generator,
+    extra_params: list[nn.Parameter],
+) -> tuple[int, list[dict[str, Any]]]:
+    """Restore everything `save_checkpoint` wrote; return (epochs done, their history rows).
+    Anything unreadable or written by a different fit is one DataError line."""
+    where = f"checkpoint {str(path)!r}"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated zip, a foreign pickle, ...: torch raises many types
+        raise DataError(f"{where} cannot be read ({type(exc).__name__}); delete it to train from scratch") from exc
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise DataError(f"{where} is not a trainer checkpoint ({CHECKPOINT_FORMAT}); delete it or give another path")
+    if state.get("meta") != meta:
+        raise DataError(f"{where} was written by another fit ({state.get('meta')}), not this one ({meta}); "
+                        "delete it or give another path")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if len(state["extra_params"]) != len(extra_params):
+            raise ValueError(f"{len(state['extra_params'])} extra parameters saved, {len(extra_params)} given")
+        with torch.no_grad():
+            for param, saved in zip(extra_params, state["extra_params"]):
+                param.copy_(saved)
+        generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        epoch, history = int(state["epoch"]), list(state["history"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{where} does not fit this model or optimizer ({reason[:200]}); delete it or give another path") from exc
+    if not 0 <= epoch <= meta["epochs"]:
+        raise DataError(f"{where} is at epoch {epoch}, outside 0..{meta['epochs']}; delete it or give another path")
+    return epoch, history

@@ -25,6 +25,8 @@ def test_one_epoch_run_writes_a_valid_record(tmp_path):
     assert record.metrics["defended"] is not None and 0 <= record.metrics["der"] <= 1
     assert record.config["trainer"]["epochs"] == 1 and record.overrides[0] == "trainer.epochs=1"
     assert record.env["torch"] and "git_commit" in record.env
+    assert record.stealth["n"] == 1000 and record.stealth["linf"]["mean"] == 1.0  # the checkerboard has 0 and 1 pixels
+    assert record.stealth["ssim"]["mean"] < 1 and record.stealth["psnr"]["mean"] > 10
     assert {"data", "poison", "train", "eval_attacked", "defense", "total"} <= record.timings_s.keys()
     epochs_csv = path.with_suffix(".epochs.csv").read_text().splitlines()
     assert epochs_csv[0].startswith("stage,epoch,loss") and len(epochs_csv) == 3  # victim + fine-tune epoch

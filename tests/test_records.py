@@ -21,6 +21,7 @@ def make_record(**changes) -> RunRecord:
         seed=0,
         metrics={"attacked": {"clean_acc": 0.98, "asr": 1.0, "ra": 0.0},
                  "defended": {"clean_acc": 0.97, "asr": 0.1, "ra": 0.85}, "der": 0.945},
+        stealth={"psnr": {"mean": 21.9, "std": 1.0}, "lpips": None, "lpips_reason": "weights absent"},
         timings_s={"train": 12.5, "total": 15.0},
         env={"torch": "x", "git_commit": None},
         config={"seed": 0},
