@@ -6,10 +6,11 @@ import hashlib
 import json
 import logging
 import platform
+import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -184,8 +185,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
                        build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
         poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
     model = build_model(cfg, data)
+    checkpoints = results_dir / "checkpoints" / run_id
     with timed(timings, "train"):
-        attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
+        if attack.resumable:
+            attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"), checkpoint=checkpoints / "victim.pt")
+        else:
+            attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
     with timed(timings, "stealth"):
@@ -248,6 +253,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     )
     path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
     save_record(record, path)
+    shutil.rmtree(checkpoints, ignore_errors=True)  # only for resuming an unfinished run
+    with suppress(OSError):
+        checkpoints.parent.rmdir()  # when no other run is unfinished
     if logger is not None:
         logger.log_summary(record.to_dict())
         logger.finish(path)

@@ -45,7 +45,10 @@ class Attack:
     """
 
     name: ClassVar[str] = "attack"
-    clean_label: ClassVar[bool] = False  # clean-label attacks poison target-class samples, labels kept
+    clean_label: ClassVar[bool] = False
+    # Whether a killed victim training resumes exactly from the trainer's epoch checkpoint; not for
+    # attacks whose trigger generator trains alongside the victim (its state is not checkpointed).
+    resumable: ClassVar[bool] = True  # clean-label attacks poison target-class samples, labels kept
 
     def __init__(
         self,
@@ -114,14 +117,21 @@ class Attack:
         TrojanNN, or Input-aware's mask pre-training. Nothing by default."""
 
     def train_victim(
-        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+        self,
+        trainer,
+        model: nn.Module,
+        train: Split,
+        generator: torch.Generator,
+        wrap_step: StepWrapper | None = None,
+        checkpoint: str | None = None,
     ) -> None:
         """Train the victim on the (already poisoned) split. `wrap_step` lets an in-training
-        defense add to the loss of every step the attack takes (e.g. a weight penalty)."""
+        defense add to the loss of every step the attack takes (e.g. a weight penalty);
+        `checkpoint` is the trainer's per-epoch file to resume from after a crash."""
         from backdoorbench.train import cross_entropy_step
 
         step = wrap_step(cross_entropy_step) if wrap_step is not None else cross_entropy_step
-        trainer.fit(model, train, generator=generator, step=step, desc="victim")
+        trainer.fit(model, train, generator=generator, step=step, desc="victim", checkpoint=checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
         """What must be saved with the victim to poison new inputs later (learned triggers)."""
@@ -150,6 +160,8 @@ class TrainingAttack(Attack):
     called again when a defense retrains a model the attacker's way) and `state_dict`/
     `load_state_dict` (saved with the victim).
     """
+
+    resumable = False
 
     def poison_indices(self, y: Tensor, generator: torch.Generator) -> Tensor:
         return torch.empty(0, dtype=torch.int64)

@@ -6,6 +6,7 @@ from typing import Callable
 
 from torch import nn
 
+from backdoorbench.errors import ConfigError
 from backdoorbench.models.base import ImageClassifier
 
 
@@ -35,7 +36,7 @@ class MnistCNN(ImageClassifier):
         super().__init__()
         side = ((image_size - 4) // 2 - 4) // 2  # two valid 5x5 convs, each followed by a 2x2 pool
         if side < 1:
-            raise ValueError(f"mnist_cnn needs images of at least 16 px, got {image_size}")
+            raise ConfigError(f"model mnist_cnn needs images of at least 16 px, the dataset has {image_size} px; choose another model")
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 32, 5),
             norm_layer(32),
