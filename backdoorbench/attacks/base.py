@@ -45,10 +45,10 @@ class Attack:
     """
 
     name: ClassVar[str] = "attack"
-    clean_label: ClassVar[bool] = False
+    clean_label: ClassVar[bool] = False  # clean-label attacks poison target-class samples, labels kept
     # Whether a killed victim training resumes exactly from the trainer's epoch checkpoint; not for
     # attacks whose trigger generator trains alongside the victim (its state is not checkpointed).
-    resumable: ClassVar[bool] = True  # clean-label attacks poison target-class samples, labels kept
+    resumable: ClassVar[bool] = True
 
     def __init__(
         self,
