@@ -1,0 +1,415 @@
+"""Input-aware dynamic backdoor: a generator makes a different trigger for every input."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backdoorbench.attacks.base import StepWrapper, TrainingAttack
+from backdoorbench.datasets.base import Split, to_float
+from backdoorbench.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+EPSILON = 1e-7  # the official code's, in the output squashing and the diversity ratio
+
+
+def _conv_block(in_channels: int, out_channels: int, relu: bool = True) -> nn.Sequential:
+    block = nn.Sequential(nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels, momentum=0.05))
+    if relu:
+        block.append(nn.ReLU(inplace=True))
+    return block
+
+
+class TriggerGenerator(nn.Module):
+    """The paper's small encoder-decoder: `depth` stages of two 3x3 conv-BN-ReLU blocks and a 2x2
+    max-pool (widths channels, 2*channels, ...), a middle block, then the mirror image with
+    bilinear upsampling; the output is squashed to (0, 1) by tanh / 2 + 1/2.
+
+    The pattern generator has as many output channels as the image, the mask generator one.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, channels: int, depth: int) -> None:
+        super().__init__()
+        widths = [channels * 2**i for i in range(depth)]
+        layers: list[nn.Module] = []
+        previous = in_channels
+        for width in widths:
+            layers += [_conv_block(previous, width), _conv_block(width, width), nn.MaxPool2d(2)]
+            previous = width
+        layers.append(_conv_block(previous, previous))
+        for i in reversed(range(depth)):
+            last = i == 0
+            layers += [
+                nn.Upsample(scale_factor=2, mode="bilinear"),
+                _conv_block(widths[i], widths[i]),
+                _conv_block(widths[i], out_channels if last else widths[i - 1], relu=not last),
+            ]
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.body(x)) / (2 + EPSILON) + 0.5
+
+
+def threshold_mask(raw: Tensor) -> Tensor:
+    """The official code's soft threshold of the mask generator's output, near-binary around 0.5."""
+    return torch.tanh(raw * 20 - 10) / (2 + EPSILON) + 0.5
+
+
+def blend(x: Tensor, pattern: Tensor, mask: Tensor) -> Tensor:
+    """x + m * (p - x): the mask chooses where the pattern replaces the image."""
+    return x + mask * (pattern - x)
+
+
+def diversity_loss(images_a: Tensor, images_b: Tensor, out_a: Tensor, out_b: Tensor) -> Tensor:
+    """mean ||x - x'|| / ||g(x) - g(x')|| over pairs (RMS distances): small when distinct inputs
+    get distinct triggers, so the generator cannot collapse to one fixed trigger."""
+    image_distance = (images_a - images_b).pow(2).mean(dim=(1, 2, 3)).sqrt()
+    # sqrt has an infinite slope at 0: two equal outputs would turn the whole gradient into NaN.
+    output_distance = (out_a - out_b).pow(2).mean(dim=(1, 2, 3)).clamp_min(EPSILON**2).sqrt()
+    return (image_distance / (output_distance + EPSILON)).mean()
+
+
+def mask_norm_loss(mask: Tensor, density: float) -> Tensor:
+    """mean(relu(m - density)): pushes the mask's coverage down to `density`."""
+    return F.relu(mask - density).mean()
+
+
+@dataclass
+class CrossPlan:
+    """Rows of one training batch: `attack` rows get their own trigger and the target label;
+    `cross` rows get the trigger of the image at `sources` (another row) and keep their label."""
+
+    attack: Tensor
+    cross: Tensor
+    sources: Tensor
+
+
+def _seeded(seed: int, build):
+    """Build modules with a private seed, leaving the global random state untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+class InputAware(TrainingAttack):
+    """Input-aware dynamic backdoor (Nguyen & Tran, "Input-Aware Dynamic Backdoor Attack",
+    NeurIPS 2020).
+
+    A pattern generator p and a mask generator m make each input's own trigger,
+    x + m(x) * (p(x) - x). The mask generator is first trained alone (in `prepare`) to a sparse
+    mask (norm loss towards `mask_density`) that differs between inputs (diversity loss), then
+    frozen. While the victim trains, in every batch a `poison_rate` (the paper's rho_b) fraction
+    carries its own trigger and the target label, a `cross_rate` (rho_c) fraction carries the
+    trigger made from ANOTHER image and keeps its label (so a trigger works only on the input
+    it was made for), and the pattern generator is trained with its own Adam optimizer on the
+    classification loss plus `lambda_div` times the diversity loss. Defaults are the paper's.
+
+    Departures from the official code: cross-trigger source images are other rows of the same
+    batch (the official code draws them from a second shuffled loader); the pattern
+    generator's gradient is zeroed every step (the official code never zeroes it, so Adam sees
+    the running sum of all past gradients); its learning-rate milestones and the mask
+    generator's are fractions of the training (official: epochs [200, 300, 400, 500] of 600 and
+    [10, 20] of 25); the generators see [0, 1] images rather than normalized ones (their first
+    batch norm absorbs the affine change) and the pattern lives in [0, 1] pixels; each call of
+    `train_victim` restarts the pattern generator from its seeded initialization, so a defense
+    that retrains a victim repeats the whole attack. Mask pre-training lasts `mask_epochs=4` by
+    default, not the paper's 25: 25 epochs of 60k MNIST images are ~12k steps, far more than
+    the mask needs; on mnist5k 4 epochs (128 steps) bring the mean mask to ~3.5% of the pixels
+    and keep a CPU run short.
+    """
+
+    name = "input_aware"
+
+    def __init__(
+        self,
+        *,
+        cross_rate: float = 0.1,
+        lambda_div: float = 1.0,
+        lambda_norm: float = 100.0,
+        mask_density: float = 0.032,
+        mask_epochs: int = 4,
+        generator_lr: float = 0.01,
+        mask_lr: float = 0.01,
+        generator_milestones: tuple[float, ...] = (1 / 3, 1 / 2, 2 / 3, 5 / 6),
+        mask_milestones: tuple[float, ...] = (0.4, 0.8),
+        lr_gamma: float = 0.1,
+        channels: int | None = None,
+        depth: int | None = None,
+        seed: int = 0,
+        **common,
+    ) -> None:
+        super().__init__(**common)
+        image_channels, height, width = self.image_shape
+        _check_number("cross_rate", cross_rate, 0, 1)
+        if self.poison_rate + cross_rate > 1:
+            raise ConfigError(
+                f"attack.cross_rate={cross_rate!r} with poison_rate={self.poison_rate} exceeds the batch; "
+                f"use cross_rate <= {1 - self.poison_rate:.4g}"
+            )
+        for key, value in (("lambda_div", lambda_div), ("lambda_norm", lambda_norm)):
+            _check_number(key, value, 0, math.inf)
+        _check_number("mask_density", mask_density, 0, 1, open_low=True)
+        for key, value in (("generator_lr", generator_lr), ("mask_lr", mask_lr), ("lr_gamma", lr_gamma)):
+            _check_number(key, value, 0, math.inf, open_low=True)
+        if isinstance(mask_epochs, bool) or not isinstance(mask_epochs, int) or mask_epochs < 0:
+            raise ConfigError(f"attack.mask_epochs={mask_epochs!r} is invalid; use an integer >= 0 (the paper uses 25)")
+        for key, milestones in (("generator_milestones", generator_milestones), ("mask_milestones", mask_milestones)):
+            if not isinstance(milestones, Sequence) or isinstance(milestones, str) or any(
+                _not_number(m) or not 0 < m <= 1 for m in milestones
+            ):
+                shown = list(milestones) if isinstance(milestones, Sequence) else milestones
+                raise ConfigError(f"attack.{key}={shown!r} is invalid; use a list of fractions of the training in (0, 1]")
+        if depth is None:  # the official nets: 3 stages for 32 px images, 2 for MNIST's 28 px
+            depth = 3 if height % 8 == 0 and width % 8 == 0 else 2
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1 or height % 2**depth or width % 2**depth:
+            raise ConfigError(
+                f"attack.depth={depth!r} does not fit {height}x{width} images; use an integer >= 1 with "
+                f"height and width divisible by 2**depth"
+            )
+        if channels is None:  # the official widths: 16 for MNIST, 32 for color images
+            channels = 16 if image_channels == 1 else 32
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+            raise ConfigError(f"attack.channels={channels!r} is invalid; use an integer >= 1")
+        self.cross_rate = float(cross_rate)
+        self.lambda_div = float(lambda_div)
+        self.lambda_norm = float(lambda_norm)
+        self.mask_density = float(mask_density)
+        self.mask_epochs = mask_epochs
+        self.generator_lr = float(generator_lr)
+        self.mask_lr = float(mask_lr)
+        self.generator_milestones = tuple(float(m) for m in generator_milestones)
+        self.mask_milestones = tuple(float(m) for m in mask_milestones)
+        self.lr_gamma = float(lr_gamma)
+        self.seed = seed
+        self.pattern_generator = _seeded(seed, lambda: TriggerGenerator(image_channels, image_channels, channels, depth))
+        self.mask_generator = _seeded(seed + 1, lambda: TriggerGenerator(image_channels, 1, channels, depth))
+        self._initial_pattern_state = copy.deepcopy(self.pattern_generator.state_dict())
+        self.mask_ready = False
+        self.mask_history: list[dict[str, float]] = []
+        # Per-batch choices; reseeded from the training generator in train_victim.
+        self.batch_generator = torch.Generator().manual_seed(seed + 2)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pending_update = False
+        self._steps_done = 0
+        self._total_steps = 0
+
+    # ---------------------------------------------------------------- triggers
+
+    def _nets_to(self, device: torch.device) -> None:
+        if next(self.pattern_generator.parameters()).device != device:
+            self.pattern_generator.to(device)
+            self.mask_generator.to(device)
+
+    def masks(self, x: Tensor) -> Tensor:
+        """The thresholded masks (B, 1, H, W) in [0, 1] of inputs x."""
+        return threshold_mask(self.mask_generator(x))
+
+    @torch.no_grad()
+    def apply_cross(self, x: Tensor, sources: Tensor) -> Tensor:
+        """Stamp on each x the trigger generated from the matching image of `sources`."""
+        self._nets_to(x.device)
+        self.pattern_generator.eval()
+        self.mask_generator.eval()
+        return blend(x, self.pattern_generator(sources), self.masks(sources)).to(x.dtype)
+
+    def apply_trigger(self, x: Tensor) -> Tensor:
+        return self.apply_cross(x, x)
+
+    # ------------------------------------------------------ mask pre-training
+
+    def prepare(self, *, trainer, train: Split, generator: torch.Generator, build_model=None) -> None:
+        """Train the mask generator alone (norm + diversity losses), then freeze it."""
+        from backdoorbench.train import augment_batch
+
+        device = trainer.device
+        self._nets_to(device)
+        net = self.mask_generator.train().requires_grad_(True)
+        optimizer = torch.optim.Adam(net.parameters(), lr=self.mask_lr, betas=(0.5, 0.9))
+        images = train.images.to(device)
+        batch = trainer.batch_size
+        self.mask_history = []
+        for epoch in range(self.mask_epochs):
+            lr = self.mask_lr * self.lr_gamma ** sum(epoch / self.mask_epochs >= m for m in self.mask_milestones)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # Two independent orders pair every image with a random other one, as the paper's
+            # two loaders do.
+            first = torch.randperm(len(train), generator=generator).to(device)
+            second = torch.randperm(len(train), generator=generator).to(device)
+            # Summed on the device: reading a loss every step would sync the GPU.
+            norm_sum = torch.zeros((), device=device)
+            div_sum = torch.zeros((), device=device)
+            steps = 0
+            started = time.perf_counter()
+            for start in range(0, len(train), batch):
+                x1 = to_float(images[first[start : start + batch]])
+                x2 = to_float(images[second[start : start + batch]])
+                if trainer.augment:
+                    x1 = augment_batch(x1, generator, trainer.crop_padding, trainer.hflip)
+                    x2 = augment_batch(x2, generator, trainer.crop_padding, trainer.hflip)
+                m1, m2 = self.masks(x1), self.masks(x2)
+                norm = mask_norm_loss(m1, self.mask_density)
+                div = diversity_loss(x1, x2, m1, m2)
+                loss = self.lambda_norm * norm + self.lambda_div * div
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                norm_sum += norm.detach()
+                div_sum += div.detach()
+                steps += 1
+            norm_mean, div_mean = norm_sum.item() / max(steps, 1), div_sum.item() / max(steps, 1)
+            row = {"stage": "mask", "epoch": epoch + 1, "loss": self.lambda_norm * norm_mean + self.lambda_div * div_mean,
+                   "norm": norm_mean, "div": div_mean, "lr": lr, "time_s": time.perf_counter() - started}
+            self.mask_history.append(row)
+            log.info("input_aware mask epoch %d/%d: norm %.4f, diversity %.4f", epoch + 1, self.mask_epochs,
+                     norm_mean, div_mean)
+            if getattr(trainer, "on_epoch", None) is not None:
+                trainer.on_epoch(row)  # the run's logger, beside the victim's epochs
+        net.eval().requires_grad_(False)
+        self.mask_ready = True
+
+    # --------------------------------------------------------- joint training
+
+    def plan_batch(self, batch_size: int) -> CrossPlan:
+        """Draw disjoint attack and cross rows, and for each cross row another row as its source.
+
+        The i-th source is also the partner of the i-th attack row in the diversity loss, so it
+        is never that attack row either (a pair of equal images says nothing about diversity).
+        """
+        n_attack = min(round(self.poison_rate * batch_size), batch_size)
+        n_cross = min(round(self.cross_rate * batch_size), batch_size - n_attack)
+        if batch_size < 3:
+            n_cross = 0  # too few images to lend each cross row a trigger from a third one
+        order = torch.randperm(batch_size, generator=self.batch_generator)
+        attack, cross = order[:n_attack], order[n_attack : n_attack + n_cross]
+        pairs = min(n_attack, n_cross)
+        partner = cross.clone()  # the row each source must also avoid (itself when unpaired)
+        partner[:pairs] = attack[:pairs]
+        low, high = torch.minimum(cross, partner), torch.maximum(cross, partner)
+        two = (low != high).long()
+        # Uniform over the other rows: draw among batch_size - 1 (or - 2) slots, then step over
+        # the excluded rows in increasing order.
+        sources = (torch.rand(n_cross, generator=self.batch_generator) * (batch_size - 1 - two)).long()
+        sources = sources + (sources >= low).long()
+        sources = sources + (sources >= high).long() * two
+        return CrossPlan(attack, cross, sources)
+
+    def poison_batch(self, x: Tensor, y: Tensor, plan: CrossPlan) -> tuple[Tensor, Tensor, Tensor]:
+        """Apply `plan` with the generators in their current mode; returns images, labels and
+        the diversity loss of the attack triggers against the cross-source triggers."""
+        attack, cross, sources = (t.to(x.device) for t in (plan.attack, plan.cross, plan.sources))
+        images, labels = x.clone(), y.clone()
+        labels[attack] = self.target_rule(y[attack])
+        if len(attack) + len(cross) == 0:
+            return images, labels, x.new_zeros(())
+        makers = torch.cat([x[attack], x[sources]])  # the images whose triggers are generated
+        patterns = self.pattern_generator(makers)
+        with torch.no_grad():
+            masks = self.masks(makers)  # frozen after pre-training
+        n = len(attack)
+        # .to(dtype): under bf16 autocast the generator's output must match the batch's dtype.
+        images[attack] = blend(x[attack], patterns[:n], masks[:n]).to(images.dtype)
+        images[cross] = blend(x[cross], patterns[n:], masks[n:]).to(images.dtype)
+        # The paper pairs the i-th attack image with the i-th cross source; without cross rows,
+        # attack images are paired among themselves.
+        pairs = min(n, len(cross))
+        if pairs:
+            div = diversity_loss(x[attack[:pairs]], x[sources[:pairs]], patterns[:pairs], patterns[n : n + pairs])
+        elif n >= 2:
+            div = diversity_loss(x[attack], x[attack.roll(1)], patterns[:n], patterns[:n].roll(1, dims=0))
+        else:
+            div = x.new_zeros(())
+        return images, labels, div
+
+    def _start_joint_training(self, total_steps: int) -> None:
+        self.pattern_generator.load_state_dict(self._initial_pattern_state)
+        self.pattern_generator.requires_grad_(True)
+        self._optimizer = torch.optim.Adam(self.pattern_generator.parameters(), lr=self.generator_lr, betas=(0.5, 0.9))
+        self._pending_update = False
+        self._steps_done = 0
+        self._total_steps = total_steps
+
+    def _update_generator(self) -> None:
+        """Apply the gradient that the trainer's backward left on the pattern generator.
+
+        The trainer steps only the classifier's optimizer, so the generator's step is taken here,
+        before the next batch's forward pass, with its own Adam and schedule.
+        """
+        if not self._pending_update or self._optimizer is None:
+            return
+        progress = self._steps_done / max(self._total_steps, 1)
+        lr = self.generator_lr * self.lr_gamma ** sum(progress >= m for m in self.generator_milestones)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._pending_update = False
+        self._steps_done += 1
+
+    def training_step(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self._optimizer is None:
+            self._start_joint_training(total_steps=0)
+        self._nets_to(x.device)
+        self._update_generator()
+        self.pattern_generator.train()
+        self.mask_generator.eval()
+        images, labels, div = self.poison_batch(x, y, self.plan_batch(len(y)))
+        logits = model(images)
+        self._pending_update = True
+        return F.cross_entropy(logits, labels) + self.lambda_div * div, logits, labels
+
+    def train_victim(
+        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+    ) -> None:
+        if not self.mask_ready:
+            raise RuntimeError("InputAware.prepare() must pre-train the mask generator before train_victim()")
+        self.batch_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
+        self._start_joint_training(total_steps=trainer.epochs * math.ceil(len(train) / trainer.batch_size))
+        self._nets_to(trainer.device)
+        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step)
+        self._update_generator()  # the last batch's gradient
+        self.pattern_generator.eval()
+        self._optimizer = None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        def cpu(net: nn.Module) -> dict[str, Tensor]:
+            return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+
+        return {"pattern_generator": cpu(self.pattern_generator), "mask_generator": cpu(self.mask_generator)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("pattern_generator", "mask_generator"):
+            net = getattr(self, key)
+            try:
+                net.load_state_dict(state[key])
+            except (KeyError, RuntimeError, TypeError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise DataError(
+                    f"input_aware state {key!r} does not fit this attack's generator "
+                    f"(check attack.channels / attack.depth): {first}"
+                ) from None
+        self.mask_generator.eval().requires_grad_(False)
+        self.mask_ready = True
+
+
+def _not_number(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float))
+
+
+def _check_number(key: str, value: Any, low: float, high: float, open_low: bool = False) -> None:
+    if _not_number(value) or (value <= low if open_low else value < low) or value > high:
+        bracket = "(" if open_low else "["
+        upper = "inf)" if math.isinf(high) else f"{high:g}]"
+        raise ConfigError(f"attack.{key}={value!r} is out of range; use a number in {bracket}{low:g}, {upper}")

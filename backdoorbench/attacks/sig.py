@@ -1,0 +1,93 @@
+"""SIG: a horizontal sinusoid added to target-class images whose labels are kept."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from backdoorbench.attacks.base import Attack, PoisonedData
+from backdoorbench.datasets.base import Split, to_float, to_uint8
+from backdoorbench.errors import ConfigError
+
+
+class SIG(Attack):
+    """SIG (Barni, Kallas, Tondi, "A New Backdoor Attack in CNNs by Training Set Corruption
+    Without Label Poisoning", ICIP 2019).
+
+    Clean-label: images of the target class get the column-wise signal
+    v(i, j) = delta * sin(2 * pi * j * frequency / W), identical on every row and channel, added to
+    the pixels and clipped to [0, 1]; labels are untouched, so the network ties the signal to the
+    target class and any test image carrying it is pushed there.
+
+    Defaults follow the paper's sinusoid (delta = 20/255, f = 6); `test_delta` lets the test-time
+    signal be stronger than the training one, as the paper also evaluates (default: the same).
+    `poison_rate` is, as everywhere here, a fraction of the whole training set (BackdoorBench's
+    convention), so on a 10-class set at most ~0.1 is possible.
+
+    Target modes: the paper is all2one only. A clean-label all2all backdoor is not meaningful:
+    one trigger would have to send every class y to y + 1, but poisoned images keep their label,
+    so the trigger only ever co-occurs with y -> y. With `clean_label=True` and all2all we raise
+    a ConfigError; `clean_label=False` gives the dirty-label variant (sinusoid on non-target images,
+    relabelled by the target rule), which is what BackdoorBench silently runs for SIG all2all.
+    """
+
+    name = "sig"
+    clean_label = True  # the paper's setting; `clean_label=False` gives the dirty-label variant
+
+    def __init__(
+        self,
+        *,
+        delta: float = 20 / 255,
+        frequency: float = 6.0,
+        test_delta: float | None = None,
+        clean_label: bool = True,
+        **common,
+    ) -> None:
+        super().__init__(**common)
+        _check_strength("delta", delta)
+        if test_delta is not None:
+            _check_strength("test_delta", test_delta)
+        if isinstance(frequency, bool) or not isinstance(frequency, (int, float)) or frequency <= 0:
+            raise ConfigError(f"attack.frequency={frequency!r} is invalid; use a number of periods per image width > 0")
+        self.clean_label = bool(clean_label)
+        if self.clean_label and self.target_mode == "all2all":
+            raise ConfigError(
+                "attack.target_mode=all2all is not meaningful for clean-label SIG (poisoned images keep their "
+                "label, so the trigger never maps y to y+1); use target_mode=all2one or attack.clean_label=false"
+            )
+        self.delta = float(delta)
+        self.test_delta = float(test_delta) if test_delta is not None else self.delta
+        self.frequency = float(frequency)
+        self.signal = self.sinusoid()  # (1, 1, W) unit-amplitude row, broadcast over rows and channels
+
+    def sinusoid(self) -> Tensor:
+        """sin(2 pi j f / W) for the W columns, shape (1, 1, W)."""
+        width = self.image_shape[2]
+        columns = torch.arange(width, dtype=torch.float64)
+        return torch.sin(2 * math.pi * columns * self.frequency / width).float().view(1, 1, width)
+
+    def add_signal(self, x: Tensor, delta: float) -> Tensor:
+        return (x + delta * self.signal.to(x.device, x.dtype)).clamp(0.0, 1.0)
+
+    def apply_trigger(self, x: Tensor) -> Tensor:
+        """Test-time trigger: the sinusoid at `test_delta`."""
+        return self.add_signal(x, self.test_delta)
+
+    def poison_dataset(self, train: Split, generator: torch.Generator, batch_size: int = 1024) -> PoisonedData:
+        """Training images carry the signal at `delta` (the test-time strength may differ)."""
+        indices = self.poison_indices(train.labels, generator)
+        images, labels = train.images.clone(), train.labels.clone()
+        images[indices] = to_uint8(self.add_signal(to_float(images[indices]), self.delta))
+        if not self.clean_label:
+            labels[indices] = self.target_rule(labels[indices])
+        return PoisonedData(Split(images, labels), indices)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "delta": self.delta, "test_delta": self.test_delta, "frequency": self.frequency}
+
+
+def _check_strength(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"attack.{key}={value!r} is out of range; use a number in (0, 1] (pixel units: 20/255 = 0.0784)")

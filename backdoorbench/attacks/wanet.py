@@ -1,0 +1,177 @@
+"""WaNet: a fixed, smooth, nearly invisible image warp is the trigger."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backdoorbench.attacks.base import StepWrapper, TrainingAttack
+from backdoorbench.datasets.base import Split
+from backdoorbench.errors import ConfigError, DataError
+
+
+def random_flow(k: int, height: int, width: int, generator: torch.Generator) -> Tensor:
+    """A smooth random displacement field (1, H, W, 2), in units of the mean control magnitude.
+
+    k x k control vectors are drawn uniformly in [-1, 1]^2, divided by their mean absolute value
+    (so `s` alone sets the strength, whatever k is) and upsampled bicubically to the image size.
+    """
+    control = torch.rand(1, 2, k, k, generator=generator) * 2 - 1
+    control = control / control.abs().mean()
+    flow = F.interpolate(control, size=(height, width), mode="bicubic", align_corners=True)
+    return flow.permute(0, 2, 3, 1).contiguous()
+
+
+def identity_grid(height: int, width: int) -> Tensor:
+    """The grid (1, H, W, 2) that makes `F.grid_sample(align_corners=True)` return its input."""
+    rows, cols = torch.meshgrid(torch.linspace(-1, 1, height), torch.linspace(-1, 1, width), indexing="ij")
+    return torch.stack((cols, rows), dim=-1)[None]  # grid_sample reads (x = column, y = row)
+
+
+def warp(x: Tensor, grid: Tensor) -> Tensor:
+    """Resample images (B, C, H, W) at `grid` (1 or B, H, W, 2), bilinearly, in float32.
+
+    Autocast is off so the warp is the same in a bf16 training step as at test time.
+    """
+    grid = grid.to(x.device, torch.float32).expand(x.shape[0], -1, -1, -1)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+
+
+@dataclass
+class WarpPlan:
+    """Which rows of one training batch are warped, and the noise of the noise-mode rows."""
+
+    poisoned: Tensor  # rows warped with the trigger grid; labels go to the target
+    noisy: Tensor  # rows warped with the grid plus random noise; labels kept
+    noise: Tensor  # (len(noisy), H, W, 2) uniform in [-1, 1], in pixel units before scaling
+
+
+class WaNet(TrainingAttack):
+    """WaNet (Nguyen & Tran, "WaNet - Imperceptible Warping-based Backdoor Attack", ICLR 2021).
+
+    The trigger is one fixed warping field: k x k random control vectors, normalized, upsampled
+    bicubically, scaled by s / image size and added to the identity sampling grid (clamped to
+    [-1, 1]). In each batch a `poison_rate` fraction is warped and relabelled to the target, and
+    a `cross_ratio * poison_rate` fraction ("noise mode") is warped with the grid plus per-pixel
+    noise in [-1, 1] / image size and KEEPS its label, so the network learns the exact field
+    rather than "any warp". Defaults are the paper's (k=4, s=0.5, grid_rescale=1, cross_ratio=2).
+
+    Departures from the official code: rows to poison are drawn at random from each batch
+    (the official code takes the first rows of a shuffled batch, the same in distribution) and
+    counts are rounded, not floored; the warp acts on the trainer's augmented [0, 1] images
+    (the official code warps first, then crops/rotates); the official all2all labels are
+    `remainder(y, C)`, i.e. unchanged, a bug: we use the shared rule y -> (y + 1) mod C; for
+    non-square images the x and y displacements are scaled by the width and the height
+    (the official code uses the height for both).
+    """
+
+    name = "wanet"
+
+    def __init__(
+        self,
+        *,
+        k: int = 4,
+        s: float = 0.5,
+        grid_rescale: float = 1.0,
+        cross_ratio: float = 2.0,
+        seed: int = 0,
+        **common,
+    ) -> None:
+        super().__init__(**common)
+        _, height, width = self.image_shape
+        if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= min(height, width):
+            raise ConfigError(f"attack.k={k!r} is out of range; use an integer in [2, {min(height, width)}]")
+        if _not_number(s) or s < 0:
+            raise ConfigError(f"attack.s={s!r} is out of range; use a number >= 0 (the paper uses 0.5)")
+        if _not_number(grid_rescale) or not 0 < grid_rescale <= 1:
+            raise ConfigError(f"attack.grid_rescale={grid_rescale!r} is out of range; use a number in (0, 1]")
+        if _not_number(cross_ratio) or cross_ratio < 0 or self.poison_rate * (1 + cross_ratio) > 1:
+            raise ConfigError(
+                f"attack.cross_ratio={cross_ratio!r} is out of range; use a number >= 0 with "
+                f"poison_rate * (1 + cross_ratio) <= 1, i.e. <= {1 / self.poison_rate - 1:.4g}"
+            )
+        self.k = k
+        self.s = float(s)
+        self.grid_rescale = float(grid_rescale)
+        self.cross_ratio = float(cross_ratio)
+        self.seed = seed
+        self.flow = random_flow(k, height, width, torch.Generator().manual_seed(seed))
+        self.grid = self._trigger_grid(self.flow)
+        # Per-batch choices (rows, noise); reseeded from the training generator in train_victim.
+        self.batch_generator = torch.Generator().manual_seed(seed + 1)
+
+    def _pixel_scale(self) -> Tensor:
+        _, height, width = self.image_shape
+        return torch.tensor([width, height], dtype=torch.float32)  # (x, y) order, as in the grid
+
+    def _trigger_grid(self, flow: Tensor) -> Tensor:
+        _, height, width = self.image_shape
+        grid = (identity_grid(height, width) + self.s * flow / self._pixel_scale()) * self.grid_rescale
+        return grid.clamp(-1, 1)
+
+    def displacement(self) -> Tensor:
+        """The trigger's displacement field (1, H, W, 2) in grid units ([-1, 1] spans the image)."""
+        _, height, width = self.image_shape
+        return self.grid - identity_grid(height, width)
+
+    def apply_trigger(self, x: Tensor) -> Tensor:
+        return warp(x, self.grid).to(x.dtype)
+
+    def apply_noise_mode(self, x: Tensor, noise: Tensor) -> Tensor:
+        """Warp with the trigger grid perturbed by `noise` (B, H, W, 2) in [-1, 1] pixel units."""
+        device = x.device
+        noisy_grid = (self.grid.to(device) + noise.to(device) / self._pixel_scale().to(device)).clamp(-1, 1)
+        return warp(x, noisy_grid).to(x.dtype)
+
+    def plan_batch(self, batch_size: int) -> WarpPlan:
+        """Draw the warped and noise-mode rows of one batch from `batch_generator`."""
+        _, height, width = self.image_shape
+        n_poisoned = min(round(self.poison_rate * batch_size), batch_size)
+        n_noisy = min(round(self.cross_ratio * self.poison_rate * batch_size), batch_size - n_poisoned)
+        order = torch.randperm(batch_size, generator=self.batch_generator)
+        noise = torch.rand(n_noisy, height, width, 2, generator=self.batch_generator) * 2 - 1
+        return WarpPlan(order[:n_poisoned], order[n_poisoned : n_poisoned + n_noisy], noise)
+
+    def poison_batch(self, x: Tensor, y: Tensor, plan: WarpPlan) -> tuple[Tensor, Tensor]:
+        """The batch with `plan` applied: warped rows relabelled, noise-mode rows keep labels."""
+        poisoned, noisy = plan.poisoned.to(x.device), plan.noisy.to(x.device)
+        images, labels = x.clone(), y.clone()
+        images[poisoned] = self.apply_trigger(x[poisoned])
+        images[noisy] = self.apply_noise_mode(x[noisy], plan.noise)
+        labels[poisoned] = self.target_rule(y[poisoned])
+        return images, labels
+
+    def training_step(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        images, labels = self.poison_batch(x, y, self.plan_batch(len(y)))
+        logits = model(images)
+        return F.cross_entropy(logits, labels), logits, labels
+
+    def train_victim(
+        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+    ) -> None:
+        # Each (re)training draws its batch choices from the run's training stream, so a run is
+        # reproducible and a defense's retraining gets its own, equally seeded, choices.
+        self.batch_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
+        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"flow": self.flow.clone(), "grid": self.grid.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _, height, width = self.image_shape
+        for key in ("flow", "grid"):
+            value = state.get(key)
+            if not isinstance(value, Tensor) or tuple(value.shape) != (1, height, width, 2):
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise DataError(f"WaNet state {key!r} is {got}; expected a tensor of shape (1, {height}, {width}, 2)")
+        self.flow = state["flow"].detach().float().cpu().clone()
+        self.grid = state["grid"].detach().float().cpu().clone()
+
+
+def _not_number(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float))

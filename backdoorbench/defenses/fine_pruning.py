@@ -1,0 +1,237 @@
+"""Fine-Pruning: mask the last conv stage's channels that clean data leaves dormant, then fine-tune."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import Tensor, nn
+
+from backdoorbench.datasets.base import Split, to_float
+from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
+from backdoorbench.errors import ConfigError
+
+
+def require_clean_subset(ctx: DefenseContext, defense: str) -> None:
+    """A repair that learns from clean data cannot run on an empty clean subset."""
+    if len(ctx.clean_subset) == 0:
+        raise ConfigError(
+            f"defense {defense} needs clean data but the clean subset is empty; set defense.clean_fraction > 0"
+        )
+
+
+def conv_stage_outputs(model: nn.Module, probe: Tensor) -> list[tuple[str, nn.Module]]:
+    """(name, module) whose outputs are the feature maps of the conv stages of `model`'s `features`.
+
+    A stage starts at each direct child of `features` that holds an nn.Conv2d; its feature map is
+    the output of the stage's last child that still yields a spatial map (4-D, H*W > 1), i.e. after
+    its norm, activation and pooling. Stages are ordered as the forward pass runs them (one probe
+    forward of `probe`, [0, 1] images). For mnist_cnn these are the two max-pools (32 and 64
+    channels); for a ResNet the stem and each residual stage. Fine-Pruning and NAD both use this.
+    """
+    net = getattr(model, "net", model)
+    features = getattr(net, "features", None)
+    children = list(features.named_children()) if isinstance(features, nn.Module) else []
+    while len(children) == 1 and any(isinstance(m, nn.Conv2d) for m in children[0][1].modules()):
+        prefix, only = children[0]
+        children = [(f"{prefix}.{name}", child) for name, child in only.named_children()]
+    fired: list[tuple[str, nn.Module, torch.Size | None]] = []
+    seen: set[int] = set()
+
+    def record(name: str):
+        def hook(module: nn.Module, inputs, output) -> None:
+            if id(module) not in seen:
+                seen.add(id(module))
+                fired.append((name, module, output.shape if isinstance(output, Tensor) else None))
+        return hook
+
+    handles = [child.register_forward_hook(record(name)) for name, child in children]
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(probe)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+
+    stages: list[tuple[str, nn.Module]] = []
+    current: tuple[str, nn.Module] | None = None
+    in_stage = False
+    for name, module, shape in fired:
+        if any(isinstance(m, nn.Conv2d) for m in module.modules()):
+            if current is not None:
+                stages.append(current)
+            current, in_stage = None, True
+        if in_stage and shape is not None and len(shape) == 4 and shape[2] * shape[3] > 1:
+            current = (f"features.{name}", module)
+    if current is not None:
+        stages.append(current)
+    if not stages:
+        raise ConfigError(
+            f"model {getattr(model, 'name', type(model).__name__)!r} has no nn.Conv2d stage in its `features`; "
+            "this defense needs a convolutional network"
+        )
+    return stages
+
+
+def _mask_channels(module: nn.Module, inputs, output: Tensor) -> Tensor:
+    return output * module.channel_mask.view(1, -1, 1, 1).to(output.dtype)
+
+
+def attach_channel_mask(module: nn.Module, channels: int, device: torch.device | str = "cpu") -> Tensor:
+    """Give `module` a `channel_mask` buffer (ones) that multiplies its output channels; return it.
+
+    A buffer plus a module-level hook survives deepcopy and moves with the model between devices;
+    masked channels pass no gradient, so fine-tuning cannot revive them.
+    """
+    if hasattr(module, "channel_mask"):
+        raise RuntimeError(f"{type(module).__name__} already has a channel mask")
+    module.register_buffer("channel_mask", torch.ones(channels, device=device))
+    module.register_forward_hook(_mask_channels)
+    return module.channel_mask
+
+
+@torch.no_grad()
+def mean_channel_activation(model: nn.Module, layer: nn.Module, images: Tensor, device: torch.device,
+                            batch_size: int = 1024) -> Tensor:
+    """Mean over images and positions of each output channel of `layer`, for uint8 `images`."""
+    total: list[Tensor] = []
+
+    def hook(module, inputs, output: Tensor) -> None:
+        total.append(output.float().mean(dim=(2, 3)).sum(0))
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        model.eval()
+        for start in range(0, len(images), batch_size):
+            model(to_float(images[start : start + batch_size].to(device)))
+    finally:
+        handle.remove()
+    return (torch.stack(total).sum(0) / len(images)).cpu()
+
+
+def prune_last_stage(model: nn.Module, channels: list[int], probe: Tensor) -> nn.Module:
+    """A copy of `model` with `channels` of its last conv stage masked, e.g. to redraw a record's
+    pruning curve (its `channel_order`) on test data: CA and ASR against the pruned fraction."""
+    pruned = copy.deepcopy(model)
+    device = probe.device
+    _, layer = conv_stage_outputs(pruned.to(device), probe)[-1]
+    with torch.no_grad():
+        out = layer_output_channels(pruned, layer, probe)
+    mask = attach_channel_mask(layer, out, device)
+    mask[torch.as_tensor(channels, dtype=torch.long, device=device)] = 0.0
+    return pruned
+
+
+def layer_output_channels(model: nn.Module, layer: nn.Module, probe: Tensor) -> int:
+    """Number of channels `layer` outputs when `model` runs on `probe`."""
+    shapes: list[torch.Size] = []
+    handle = layer.register_forward_hook(lambda module, inputs, output: shapes.append(output.shape))
+    try:
+        model.eval()
+        model(probe)
+    finally:
+        handle.remove()
+    return int(shapes[0][1])
+
+
+def subset_accuracy(trainer, model: nn.Module, split: Split) -> float:
+    return float((trainer.predict(model, split.images) == split.labels).float().mean())
+
+
+class FinePruning(Defense):
+    """Fine-Pruning (Liu, Dolan-Gavitt, Garg, "Fine-Pruning: Defending Against Backdooring Attacks on
+    Deep Neural Networks", RAID 2018).
+
+    Channels of the last convolutional layer are pruned in increasing order of their mean
+    activation on the defender's clean data (backdoor neurons sleep on clean inputs), one at a
+    time until clean accuracy drops by more than `max_acc_drop`; the pruned network is then
+    fine-tuned on the same clean data. Departures: the paper removes the neurons; we mask the
+    output channels of the last conv stage (after its norm, activation and pooling, see
+    `conv_stage_outputs`), which is the same function and keeps the architecture. The paper
+    stops at a predetermined clean-accuracy threshold; ours is an absolute drop of clean-subset
+    accuracy (default 4 points), and at most `max_prune_ratio` of the channels go. The whole
+    curve of clean-subset accuracy vs pruned fraction up to that ratio is recorded (test data never
+    enters the defense; `prune_last_stage` rebuilds any point of it for test-set curves).
+    Fine-tuning uses the trainer's optimizer at `lr` for `epochs`, as `fine_tuning` does.
+    """
+
+    name = "fine_pruning"
+    stage = "post_train"
+
+    def __init__(
+        self,
+        *,
+        max_acc_drop: float = 0.04,
+        max_prune_ratio: float = 0.9,
+        epochs: int = 10,
+        lr: float = 0.01,
+        clean_fraction: float = 0.05,
+    ) -> None:
+        super().__init__(clean_fraction=clean_fraction)
+        if isinstance(max_acc_drop, bool) or not isinstance(max_acc_drop, (int, float)) or not 0 <= max_acc_drop <= 1:
+            raise ConfigError(f"defense.max_acc_drop={max_acc_drop!r} is out of range; use a number in [0, 1]")
+        ratio = max_prune_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+            raise ConfigError(f"defense.max_prune_ratio={max_prune_ratio!r} is out of range; use a number in (0, 1)")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError(f"defense.epochs={epochs!r} is invalid; use an integer >= 0")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+            raise ConfigError(f"defense.lr={lr!r} is invalid; use a number > 0")
+        self.max_acc_drop = float(max_acc_drop)
+        self.max_prune_ratio = float(max_prune_ratio)
+        self.epochs = epochs
+        self.lr = float(lr)
+
+    def apply(self, ctx: DefenseContext) -> DefenseResult:
+        require_clean_subset(ctx, self.name)
+        trainer, clean = ctx.trainer, ctx.clean_subset
+        model = trainer.prepare(copy.deepcopy(ctx.model))
+        probe = to_float(clean.images[:2].to(trainer.device))
+        _, layer = conv_stage_outputs(model, probe)[-1]
+        activation = mean_channel_activation(model, layer, clean.images, trainer.device, trainer.eval_batch_size)
+        channels = len(activation)
+        order = torch.argsort(activation, stable=True)  # most dormant first
+        mask = attach_channel_mask(layer, channels, trainer.device)
+
+        base_acc = subset_accuracy(trainer, model, clean)
+        curve = [[0.0, base_acc]]
+        n_pruned, stopped = 0, False
+        for k in range(1, math.floor(self.max_prune_ratio * channels) + 1):
+            mask[order[k - 1]] = 0.0
+            acc = subset_accuracy(trainer, model, clean)
+            curve.append([k / channels, acc])
+            if base_acc - acc > self.max_acc_drop:
+                stopped = True
+            if not stopped:
+                n_pruned = k
+        mask.fill_(1.0)
+        mask[order[:n_pruned].to(mask.device)] = 0.0
+        pruned_acc = curve[n_pruned][1]
+
+        final_loss = None
+        if self.epochs > 0:
+            history = trainer.fit(model, clean, generator=ctx.generator, epochs=self.epochs, lr=self.lr,
+                                  desc="fine-prune")
+            final_loss = history[-1]["loss"]
+        extras = {
+            "n_channels": channels,
+            "n_pruned": n_pruned,
+            "pruned_fraction": n_pruned / channels,
+            "pruned_channels": sorted(int(c) for c in order[:n_pruned]),
+            "channel_order": [int(c) for c in order],  # ascending mean clean activation
+            "mean_activation": [float(a) for a in activation],
+            "subset_acc_unpruned": base_acc,
+            "subset_acc_pruned": pruned_acc,
+            "prune_curve": curve,  # [pruned fraction, clean-subset accuracy], before fine-tuning
+        }
+        if final_loss is not None:
+            extras["final_loss"] = final_loss
+        return DefenseResult(model=model, extras=extras)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "max_acc_drop": self.max_acc_drop, "max_prune_ratio": self.max_prune_ratio,
+                "epochs": self.epochs, "lr": self.lr}

@@ -1,0 +1,108 @@
+"""STRIP: reject inputs whose prediction survives superimposition with clean images (input stage)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backdoorbench.datasets.base import to_float
+from backdoorbench.defenses.base import DefenseContext, DefenseResult, InputDefense
+from backdoorbench.errors import ConfigError
+
+
+def superimpose(x: Tensor, overlays: Tensor) -> Tensor:
+    """Every input plus each of its overlays, saturated to [0, 1]: (B, C, H, W) and (B, N, C, H, W)
+    -> (B, N, C, H, W). Like the paper's `cv2.addWeighted(x, 1, overlay, 1, 0)` on 8-bit images."""
+    return (x.unsqueeze(1) + overlays).clamp_(0.0, 1.0)
+
+
+def mean_entropy(probabilities: Tensor) -> Tensor:
+    """Shannon entropy in bits of each (B, N, K) softmax row, averaged over the N (H_sum / N)."""
+    p = probabilities.float()
+    return -(p * torch.log2(p.clamp_min(1e-12))).sum(-1).mean(-1)
+
+
+class Strip(InputDefense):
+    """STRIP (Gao, Xu, Wang, Chen, Ranasinghe, Nepal, "STRIP: A Defence Against Trojan Attacks on
+    Deep Neural Networks", ACSAC 2019).
+
+    Each input is superimposed with N clean images; a trigger that dominates the prediction keeps
+    it fixed whatever is added, so the mean entropy of the N softmax outputs is low for triggered
+    inputs. The score is -entropy (higher = more suspicious); the threshold is the FRR-quantile
+    of a normal fit to the entropies of the defender's clean images, as the paper and its code do.
+    Departures: images are added in [0, 1] pixel space and saturated at 1 (the official notebook
+    adds normalized float images without clipping; saturation is what adding 8-bit images does);
+    calibration uses the clean subset (the paper's held-out clean set), each image superimposed
+    with N others from it, never with itself; N = 100 and FRR = 1% are the paper's defaults.
+    """
+
+    name = "strip"
+    needs_clean_data = True
+
+    def __init__(self, *, num_superimpose: int = 100, frr: float = 0.01, batch_size: int = 16, clean_fraction: float = 0.05) -> None:
+        super().__init__(clean_fraction=clean_fraction)
+        for key, value in (("num_superimpose", num_superimpose), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"defense.{key}={value!r} is invalid; use an integer >= 1")
+        if isinstance(frr, bool) or not isinstance(frr, (int, float)) or not 0 < frr < 1:
+            raise ConfigError(f"defense.frr={frr!r} is out of range; use a false rejection rate in (0, 1)")
+        self.num_superimpose = num_superimpose
+        self.frr = float(frr)
+        self.batch_size = batch_size  # inputs per forward pass; each is N superimposed images
+        self.threshold = math.inf  # rejects nothing until apply() calibrates it
+        self._overlays: Tensor | None = None
+        self._generator: torch.Generator | None = None
+
+    @torch.no_grad()
+    def entropy(self, model: nn.Module, x: Tensor, exclude: Tensor | None = None) -> Tensor:
+        """Mean entropy (bits) of each input of `x` ([0, 1]) over N random clean overlays.
+        `exclude[i]` is an overlay index input i must not be paired with (itself, in calibration)."""
+        if self._overlays is None or self._generator is None:
+            raise RuntimeError("strip: call apply(ctx) before scoring inputs")
+        pool = len(self._overlays) - (1 if exclude is not None else 0)
+        out = []
+        for start in range(0, len(x), self.batch_size):
+            chunk = x[start : start + self.batch_size]
+            picks = torch.randint(pool, (len(chunk), self.num_superimpose), generator=self._generator)
+            if exclude is not None:
+                skip = exclude[start : start + self.batch_size].view(-1, 1).cpu()
+                picks = picks + (picks >= skip).long()  # draws from the pool minus the input itself
+            overlays = to_float(self._overlays[picks.to(self._overlays.device)].to(chunk.device))
+            blended = superimpose(chunk, overlays).flatten(0, 1)
+            probabilities = model(blended).float().softmax(-1).view(len(chunk), self.num_superimpose, -1)
+            out.append(mean_entropy(probabilities).cpu())
+        return torch.cat(out) if out else torch.empty(0)
+
+    def score_inputs(self, model: nn.Module, x: Tensor) -> Tensor:
+        return -self.entropy(model, x)
+
+    @torch.no_grad()
+    def apply(self, ctx: DefenseContext) -> DefenseResult:
+        clean = ctx.clean_subset
+        if len(clean) < 2:
+            raise ConfigError(
+                f"strip needs at least 2 clean images to superimpose and calibrate, the clean subset has "
+                f"{len(clean)}; raise defense.clean_fraction"
+            )
+        device = ctx.trainer.device
+        self._overlays = clean.images.to(device)  # uint8 on the device, converted per batch
+        self._generator = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=ctx.generator)))
+        model = ctx.trainer.prepare(ctx.model).eval()
+        entropies = self.entropy(model, to_float(clean.images.to(device)), exclude=torch.arange(len(clean)))
+        mean, std = float(entropies.mean()), float(entropies.std())
+        std = max(std, 1e-12)  # a constant entropy gives a point mass: the quantile is its value
+        cutoff = mean + std * math.sqrt(2.0) * float(torch.erfinv(torch.tensor(2.0 * self.frr - 1.0, dtype=torch.float64)))
+        self.threshold = -cutoff  # reject when -entropy > -cutoff, i.e. entropy < cutoff
+        return DefenseResult(extras={
+            "entropy_threshold_bits": cutoff,
+            "clean_entropy_mean_bits": mean,
+            "clean_entropy_std_bits": std,
+            "calibration_frr": float((entropies < cutoff).float().mean()),
+            "n_calibration": int(len(clean)),
+        })
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "num_superimpose": self.num_superimpose, "frr": self.frr}

@@ -1,0 +1,397 @@
+"""The data-poisoning attacks SIG, Label-Consistent, BppAttack, TrojanNN and Refool: each one's
+defining property, both target modes (or the clean-label all2all error), seeding, and configs."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+
+from backdoorbench.attacks.bpp import Bpp, floyd_steinberg, quantize
+from backdoorbench.attacks.label_consistent import LabelConsistent, corner_pattern
+from backdoorbench.attacks.refool import Refool, blend, ghost_reflection
+from backdoorbench.attacks.sig import SIG
+from backdoorbench.attacks.trojannn import TrojanNN, feature_layer, select_neurons
+from backdoorbench.datasets.base import Split, to_float, to_uint8
+from backdoorbench.errors import ConfigError
+from backdoorbench.models.base import Normalized
+from backdoorbench.models.mnist_cnn import MnistCNN
+from backdoorbench.train import Trainer
+
+CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
+NAMES = ("sig", "label_consistent", "bpp", "trojannn", "refool")
+CLASSES = 4
+SHAPE = (1, 16, 16)
+
+
+def make_split(n: int = 80, shape=SHAPE, seed: int = 0) -> Split:
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, *shape), generator=g, dtype=torch.uint8)
+    labels = torch.arange(n) % CLASSES
+    return Split(images, labels)
+
+
+def tiny_model() -> nn.Module:
+    return Normalized(MnistCNN(in_channels=1, num_classes=CLASSES, image_size=16, hidden=16, dropout=0.0), (0.5,), (0.5,))
+
+
+def tiny_trainer() -> Trainer:
+    return Trainer(epochs=1, batch_size=32, augment=False, progress=False, device="cpu")
+
+
+class InstantTrainer:
+    """Test double for the surrogate training in prepare(): the model arrives already trained."""
+
+    device = torch.device("cpu")
+
+    def fit(self, model, split, **kwargs):
+        return []
+
+
+_SURROGATE: dict[str, nn.Module] = {}
+
+
+def trained_surrogate() -> nn.Module:
+    """One tiny surrogate trained once (1 epoch on the tiny split) and copied for each attack."""
+    if "model" not in _SURROGATE:
+        torch.manual_seed(0)
+        model = tiny_model()
+        tiny_trainer().fit(model, make_split(), generator=torch.Generator().manual_seed(0))
+        _SURROGATE["model"] = model
+    return copy.deepcopy(_SURROGATE["model"])
+
+
+def prepared(attack, split: Split, seed: int = 0):
+    attack.prepare(trainer=InstantTrainer(), train=split, generator=torch.Generator().manual_seed(seed),
+                   build_model=trained_surrogate)
+    return attack
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: extra intra-op threads only add overhead on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def common(**kw):
+    return {"num_classes": CLASSES, "image_shape": SHAPE, "target": 1, **kw}
+
+
+def build(name: str, mode: str = "all2one", **kw):
+    """One attack of each kind, ready to poison (surrogates trained on tiny data where needed)."""
+    if name == "sig":
+        return SIG(**common(target_mode=mode, poison_rate=0.2, **kw))
+    if name == "label_consistent":
+        return prepared(LabelConsistent(**common(target_mode=mode, poison_rate=0.2, pgd_steps=3, surrogate_epochs=1, **kw)), make_split())
+    if name == "bpp":
+        return Bpp(**common(target_mode=mode, poison_rate=0.2, **kw))
+    if name == "trojannn":
+        return prepared(TrojanNN(**common(target_mode=mode, poison_rate=0.2, patch_size=4, trigger_steps=20,
+                                          trigger_lr=0.05, surrogate_epochs=1, **kw)), make_split())
+    if name == "refool":
+        return Refool(**common(target_mode=mode, poison_rate=0.2, num_variants=8, **kw))
+    raise AssertionError(name)
+
+
+# --- every attack ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_seed_same_poisoned_indices_and_images(name):
+    split = make_split()
+    a = build(name).poison_dataset(split, torch.Generator().manual_seed(7))
+    b = build(name).poison_dataset(split, torch.Generator().manual_seed(7))
+    c = build(name).poison_dataset(split, torch.Generator().manual_seed(8))
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.split.images, b.split.images)
+    assert torch.equal(a.split.labels, b.split.labels)
+    assert not torch.equal(a.indices, c.indices)
+    assert len(a.indices) == round(0.2 * len(split))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_untouched_samples_stay_clean(name):
+    split = make_split()
+    attack = build(name)
+    poisoned = attack.poison_dataset(split, torch.Generator().manual_seed(1))
+    changed = torch.zeros(len(split), dtype=torch.bool)
+    changed[poisoned.indices] = True
+    if name == "bpp":
+        changed[attack.negative_indices] = True
+    assert torch.equal(poisoned.split.images[~changed], split.images[~changed])
+    assert torch.equal(poisoned.split.labels[~changed], split.labels[~changed])
+
+
+@pytest.mark.parametrize("name, kw", [("sig", {"clean_label": False}), ("bpp", {}), ("trojannn", {}),
+                                      ("refool", {"clean_label": False})])
+def test_dirty_label_all2all_relabels_to_next_class(name, kw):
+    split = make_split()
+    poisoned = build(name, "all2all", **kw).poison_dataset(split, torch.Generator().manual_seed(3))
+    idx = poisoned.indices
+    assert torch.equal(poisoned.split.labels[idx], (split.labels[idx] + 1) % CLASSES)
+
+
+@pytest.mark.parametrize("cls", [SIG, LabelConsistent, Refool])
+def test_clean_label_all2all_is_a_config_error(cls):
+    with pytest.raises(ConfigError, match="all2all"):
+        cls(**common(target_mode="all2all"))
+
+
+@pytest.mark.parametrize("name", ["sig", "label_consistent", "refool"])
+def test_clean_label_attacks_never_change_a_label(name):
+    split = make_split()
+    poisoned = build(name).poison_dataset(split, torch.Generator().manual_seed(0))
+    assert torch.equal(poisoned.split.labels, split.labels)
+    assert bool((split.labels[poisoned.indices] == 1).all())  # only target-class images are touched
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_config_instantiates(name, shape):
+    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    attack = instantiate(cfg, num_classes=10, image_shape=shape)
+    assert attack.name == name and attack.describe()["name"] == name
+
+
+# --- SIG ---------------------------------------------------------------------------------------
+
+def test_sig_trigger_is_the_column_sinusoid_before_clipping():
+    attack = SIG(num_classes=10, image_shape=(3, 5, 28), delta=20 / 255, frequency=6)
+    x = torch.full((2, 3, 5, 28), 0.5)
+    diff = attack.apply_trigger(x) - x
+    expected = torch.tensor([20 / 255 * math.sin(2 * math.pi * j * 6 / 28) for j in range(28)])
+    assert torch.allclose(diff, expected.expand_as(diff), atol=1e-6)  # same on every row and channel
+    bright = attack.apply_trigger(torch.ones(1, 3, 5, 28))
+    assert bright.max() <= 1.0 and bright.min() >= 1 - 20 / 255 - 1e-6
+
+
+def test_sig_test_delta_differs_from_training_delta():
+    split = make_split()
+    attack = SIG(**common(poison_rate=0.2, delta=0.05, test_delta=0.2))
+    poisoned = attack.poison_dataset(split, torch.Generator().manual_seed(0))
+    i = poisoned.indices
+    assert torch.equal(poisoned.split.images[i], to_uint8(attack.add_signal(to_float(split.images[i]), 0.05)))
+    x = torch.full((1, *SHAPE), 0.5)
+    assert torch.allclose((attack.apply_trigger(x) - x).abs().max(), torch.tensor(0.2 * max(
+        abs(math.sin(2 * math.pi * j * 6 / 16)) for j in range(16))), atol=1e-6)
+
+
+def test_sig_rejects_bad_amplitude():
+    with pytest.raises(ConfigError, match="attack.delta=20"):
+        SIG(**common(delta=20))
+
+
+# --- Label-Consistent ----------------------------------------------------------------------------
+
+def test_lc_pgd_stays_within_eps_and_raises_the_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(256, CLASSES))
+    attack = LabelConsistent(**common(eps=8 / 255, pgd_steps=5))
+    x = torch.rand(16, *SHAPE)
+    y = torch.arange(16) % CLASSES
+    adv = attack.perturb(model, x, y)
+    assert (adv - x).abs().max() <= 8 / 255 + 1e-6
+    assert adv.min() >= 0 and adv.max() <= 1
+    with torch.no_grad():
+        assert F.cross_entropy(model(adv), y) > F.cross_entropy(model(x), y) + 0.05
+
+
+def test_lc_corner_trigger_pixels():
+    full = LabelConsistent(**common())
+    x = torch.full((1, *SHAPE), 0.5)
+    out = full.apply_trigger(x)[0, 0]
+    pattern = corner_pattern(16, 16, "all")
+    assert torch.equal(out[pattern > 0], torch.ones(int((pattern > 0).sum())))
+    assert torch.equal(out[pattern < 0], torch.zeros(int((pattern < 0).sum())))
+    assert torch.equal(out[pattern == 0], x[0, 0][pattern == 0])
+    assert int((pattern != 0).sum()) == 36  # four 3x3 corners
+    assert torch.equal(pattern[-3:, -3:], torch.tensor([[-1.0, -1, 1], [-1, 1, -1], [1, -1, 1]]))
+    flipped = torch.rand(2, *SHAPE)  # the four-corner trigger survives a horizontal flip
+    assert torch.equal(full.apply_trigger(flipped.flip(-1)), full.apply_trigger(flipped).flip(-1))
+    faint = LabelConsistent(**common(amplitude=0.25, corners="bottom_right")).apply_trigger(x)[0, 0]
+    br = corner_pattern(16, 16, "bottom_right")
+    assert torch.allclose(faint, 0.5 + 0.25 * br)
+    assert int((br != 0).sum()) == 9
+
+
+def test_lc_poisoned_images_are_pgd_within_eps_plus_trigger():
+    split = make_split()
+    attack = build("label_consistent", eps=8 / 255)
+    poisoned = attack.poison_dataset(split, torch.Generator().manual_seed(0))
+    i = poisoned.indices
+    off_trigger = corner_pattern(16, 16, "all") == 0
+    diff = (to_float(poisoned.split.images[i]) - to_float(split.images[i]))[..., off_trigger]
+    assert diff.abs().max() <= 8 / 255 + 0.5 / 255 + 1e-6  # eps, plus uint8 rounding
+    assert diff.abs().max() > 4 / 255  # PGD did move the pixels
+    assert "surrogate_acc_perturbed" in attack.describe()
+
+
+def test_lc_prepare_trains_the_surrogate_with_the_trainer():
+    torch.manual_seed(0)
+    attack = LabelConsistent(**common(poison_rate=0.2, pgd_steps=2, surrogate_epochs=1, surrogate_adv_eps=4 / 255,
+                                      surrogate_adv_steps=1))
+    attack.prepare(trainer=tiny_trainer(), train=make_split(), generator=torch.Generator().manual_seed(0),
+                   build_model=tiny_model)
+    assert 0 <= attack.stats["surrogate_train_acc"] <= 1
+    assert attack.poison_dataset(make_split(), torch.Generator().manual_seed(0)).indices.numel() == 16
+
+
+def test_lc_needs_prepare():
+    with pytest.raises(RuntimeError, match="prepare"):
+        LabelConsistent(**common(poison_rate=0.2)).poison_dataset(make_split(), torch.Generator())
+
+
+# --- BppAttack -----------------------------------------------------------------------------------
+
+def _reference_floyd_steinberg(image: np.ndarray, levels: int) -> np.ndarray:
+    """Scalar Floyd-Steinberg as in the official code, for (C, H, W) in [0, 1]."""
+    img = image.astype(np.float64).copy()
+    _, h, w = img.shape
+    scale = levels - 1
+    for y in range(h):
+        for x in range(w):
+            old = img[:, y, x].copy()
+            new = np.clip(np.round(old * scale), 0, scale) / scale
+            err = old - new
+            img[:, y, x] = new
+            if x + 1 < w:
+                img[:, y, x + 1] += err * 7 / 16
+            if y + 1 < h and x + 1 < w:
+                img[:, y + 1, x + 1] += err * 1 / 16
+            if y + 1 < h:
+                img[:, y + 1, x] += err * 5 / 16
+            if x - 1 >= 0 and y + 1 < h:
+                img[:, y + 1, x - 1] += err * 3 / 16
+    return img
+
+
+def test_bpp_dithering_matches_scalar_reference_and_stays_on_grid():
+    x = torch.rand(3, 2, 7, 9, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = floyd_steinberg(x, 4)
+    for b in range(3):
+        assert np.allclose(out[b].numpy(), _reference_floyd_steinberg(x[b].numpy(), 4), atol=1e-12)
+    assert torch.allclose(out * 3, torch.round(out * 3), atol=1e-9)
+
+
+def test_bpp_dithering_keeps_the_mean_where_plain_quantization_loses_it():
+    flat = torch.full((1, 1, 16, 16), 0.3)
+    assert quantize(flat, 2).mean() == 0  # 1 bit: everything rounds to black
+    dithered = floyd_steinberg(flat, 2)
+    assert set(dithered.unique().tolist()) == {0.0, 1.0}
+    assert abs(float(dithered.mean()) - 0.3) < 0.03
+
+
+@pytest.mark.parametrize("dithering", [True, False])
+def test_bpp_trigger_output_is_on_the_quantization_grid(dithering):
+    attack = Bpp(**common(squeeze_num=8, dithering=dithering))
+    out = attack.apply_trigger(torch.rand(4, *SHAPE))
+    assert torch.allclose(out * 7, torch.round(out * 7), atol=1e-5)
+    assert out.min() >= 0 and out.max() <= 1
+
+
+def test_bpp_poisoned_on_grid_negatives_keep_labels():
+    split = make_split()
+    attack = Bpp(**common(poison_rate=0.2, neg_ratio=0.25, squeeze_num=4))
+    poisoned = attack.poison_dataset(split, torch.Generator().manual_seed(0))
+    grid = {round(255 * j / 3) for j in range(4)}  # levels once stored as uint8
+    assert set(poisoned.split.images[poisoned.indices].unique().tolist()) <= grid
+    assert bool((poisoned.split.labels[poisoned.indices] == 1).all())
+    neg = attack.negative_indices
+    assert len(neg) == 20 and not set(neg.tolist()) & set(poisoned.indices.tolist())
+    assert torch.equal(poisoned.split.labels[neg], split.labels[neg])
+    assert not torch.equal(poisoned.split.images[neg], split.images[neg])
+    assert not set(poisoned.split.images[neg].unique().tolist()) <= grid  # residuals of others, not quantized
+    assert attack.describe()["n_negative"] == 20
+
+
+# --- TrojanNN ------------------------------------------------------------------------------------
+
+def test_trojannn_selects_most_connected_neurons():
+    model = tiny_model()
+    layer = feature_layer(model)
+    assert isinstance(layer, nn.Linear) and layer.out_features == 16
+    expected = layer.weight.abs().sum(1).argsort(descending=True)[:3]
+    assert torch.equal(select_neurons(model, 3, "incoming"), expected)
+    outgoing = model.classifier.weight.abs().sum(0).argsort(descending=True)[:3]
+    assert torch.equal(select_neurons(model, 3, "outgoing"), outgoing)
+
+
+def test_trojannn_trigger_only_changes_the_mask_and_fires_the_neurons():
+    attack = build("trojannn")
+    x = torch.rand(5, *SHAPE)
+    changed = (attack.apply_trigger(x) != x).any(0).any(0)
+    mask = attack.patch_mask()
+    assert not changed[~mask].any() and int(mask.sum()) == 16
+    before, after = attack.stats["activation_before"], attack.stats["activation_after"]
+    assert sum(after) > sum(before) + 0.1
+    state = attack.state_dict()
+    fresh = TrojanNN(**common(patch_size=4))
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.apply_trigger(x), attack.apply_trigger(x))
+
+
+def test_trojannn_prepare_trains_the_surrogate_with_the_trainer():
+    torch.manual_seed(0)
+    attack = TrojanNN(**common(patch_size=3, trigger_steps=2, surrogate_epochs=1))
+    attack.prepare(trainer=tiny_trainer(), train=make_split(), generator=torch.Generator().manual_seed(0),
+                   build_model=tiny_model)
+    assert attack.patch.shape == (1, 3, 3) and len(attack.stats["neurons"]) == 2
+
+
+def test_trojannn_needs_an_optimized_trigger():
+    with pytest.raises(RuntimeError, match="prepare"):
+        TrojanNN(**common()).apply_trigger(torch.rand(1, *SHAPE))
+
+
+# --- Refool --------------------------------------------------------------------------------------
+
+def test_refool_ghost_and_blend_formulas_on_a_hand_case():
+    r = torch.zeros(1, 4, 4)
+    r[0, 0, 0] = 1.0
+    ghost = ghost_reflection(r, (1, 2), 0.6)
+    expected = torch.zeros(1, 4, 4)
+    expected[0, 0, 0], expected[0, 1, 2] = 0.6, 0.4
+    assert torch.allclose(ghost, expected)
+    x = torch.full((1, 4, 4), 0.5)
+    assert torch.allclose(blend(x, ghost, 0.8, gamma=1.0), 0.8 * 0.5 + 0.2 * expected)
+    value = (0.8 * 0.5**2.2 + 0.2 * 0.6) ** (1 / 2.2)
+    assert math.isclose(float(blend(x, ghost, 0.8, gamma=2.2)[0, 0, 0]), value, rel_tol=1e-5)
+
+
+def test_refool_applies_the_seeded_variant_of_each_batch_position():
+    attack = Refool(**common(num_variants=4, seed=3))
+    x = torch.rand(6, *SHAPE)
+    out = attack.apply_trigger(x)
+    assert out.min() >= 0 and out.max() <= 1
+    for i in range(6):
+        v = i % 4
+        assert torch.allclose(out[i], blend(x[i], attack.layers[v], attack.variants[v]["alpha_t"], 2.2), atol=1e-6)
+    assert torch.equal(out, Refool(**common(num_variants=4, seed=3)).apply_trigger(x))
+    assert not torch.equal(out, Refool(**common(num_variants=4, seed=4)).apply_trigger(x))
+    assert {v["model"] for v in Refool(**common(num_variants=16)).variants} == {"ghost", "focal_blur"}
+
+
+def test_refool_ghost_variant_is_the_two_pulse_kernel_of_its_source():
+    attack = Refool(**common(models=["ghost"], num_variants=3, reflections=["camera"]))
+    from backdoorbench.attacks.patterns import load_pattern
+
+    linear = load_pattern("camera", SHAPE) ** 2.2
+    for v, variant in enumerate(attack.variants):
+        assert 1 <= min(variant["offset"]) and max(variant["offset"]) <= 3
+        assert torch.allclose(attack.layers[v], ghost_reflection(linear, variant["offset"], variant["weight"]))
+
+
+def test_refool_rejects_bad_ranges_and_models():
+    with pytest.raises(ConfigError, match="alpha_t"):
+        Refool(**common(alpha_t=[0.9, 0.5]))
+    with pytest.raises(ConfigError, match="models"):
+        Refool(**common(models=["mirror"]))
