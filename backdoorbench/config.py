@@ -33,10 +33,21 @@ class TrainerSchema:
 
 
 @dataclass
+class PgdSchema:
+    enabled: bool = False  # L_inf PGD robust accuracy of the attacked (and defended) model
+    eps: float = 0.3  # pixel units; 0.3 is the usual MNIST radius
+    steps: int = 40
+    step_size: Optional[float] = None  # null = 2.5 * eps / steps
+    images: int = 1000  # first N test images
+    seed: int = 0
+
+
+@dataclass
 class EvalSchema:
     stealth_images: int = 1000  # test images, a fixed seeded choice, for PSNR/SSIM/LPIPS/L_inf/L_2
     stealth_seed: int = 0  # fixed, not the run seed, so every run is measured on the same images
     lpips_weights: Optional[str] = None  # AlexNet ImageNet weights file; null = torch hub cache
+    pgd: PgdSchema = field(default_factory=PgdSchema)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from backdoorbench.defenses.runner import run_defense
 from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.fileio import ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
+from backdoorbench.metrics.robustness import pgd_accuracy
 from backdoorbench.metrics.stealth import stealth_metrics
 from backdoorbench.models.base import Normalized
 from backdoorbench.records import RunRecord, save_record
@@ -142,6 +143,14 @@ def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normal
     return Normalized(net, data.mean, data.std)
 
 
+def measure_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.device) -> float:
+    """L_inf PGD accuracy on the first `pgd_cfg.images` clean test images."""
+    count = min(pgd_cfg.images, len(data.test))
+    test = data.test.subset(torch.arange(count))
+    return pgd_accuracy(model, test.float_images(), test.labels, eps=pgd_cfg.eps, steps=pgd_cfg.steps,
+                        step_size=pgd_cfg.step_size, generator=torch.Generator().manual_seed(pgd_cfg.seed), device=device)
+
+
 @torch.no_grad()
 def measure_stealth(attack: Attack, data: ImageDataset, eval_cfg: DictConfig, device: torch.device):
     """Stealth metrics of `apply_trigger` on a fixed, seeded set of test images, and a few
@@ -193,6 +202,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
             attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
+    if cfg.eval.pgd.enabled:
+        with timed(timings, "pgd_attacked"):
+            attacked["pgd_acc"] = measure_pgd(model, data, cfg.eval.pgd, trainer.device)
     with timed(timings, "stealth"):
         stealth, examples = measure_stealth(attack, data, cfg.eval, trainer.device)
     if logger is not None and examples is not None:
@@ -221,6 +233,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         with timed(timings, "defense"):
             outcome = run_defense(defense, ctx, attack, data.test)
         defended, detection = outcome.defended, outcome.detection
+        repaired = outcome.model
+        if cfg.eval.pgd.enabled and repaired is not None:
+            with timed(timings, "pgd_defended"):
+                defended["pgd_acc"] = measure_pgd(repaired, data, cfg.eval.pgd, trainer.device)
         der = defense_effectiveness_rating(attacked, defended)
         defense_info = {**defense.describe(), "clean_subset_size": int(len(subset)), "extras": outcome.extras}
     timings["total"] = round(time.perf_counter() - started, 4)

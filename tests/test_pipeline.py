@@ -7,7 +7,8 @@ from backdoorbench.pipeline import config_hash, run
 
 def test_same_seed_same_numbers_and_other_seed_other_numbers(tmp_path, compose_cfg):
     def metrics(seed, sub):
-        cfg = compose_cfg("trainer.epochs=1", f"seed={seed}", f"results_dir={tmp_path / sub}", "trainer.progress=false")
+        cfg = compose_cfg("trainer.epochs=1", f"seed={seed}", f"results_dir={tmp_path / sub}", "trainer.progress=false",
+                          "eval.stealth_images=100")
         record, _ = run(cfg)
         return record
 
@@ -29,9 +30,14 @@ def test_config_hash_ignores_only_the_named_keys():
 
 def test_defense_changes_do_not_change_the_poisoned_set(tmp_path, compose_cfg):
     a, _ = run(compose_cfg("trainer.epochs=0", f"results_dir={tmp_path}"))
-    b, _ = run(compose_cfg("trainer.epochs=0", "defense=fine_tuning", "defense.epochs=1", f"results_dir={tmp_path}"))
+    b, _ = run(compose_cfg("trainer.epochs=0", "defense=fine_tuning", "defense.epochs=1", f"results_dir={tmp_path}",
+                           "eval.pgd.enabled=true", "eval.pgd.images=50", "eval.pgd.steps=2", "eval.pgd.eps=0.5"))
     assert a.attack["poisoned_indices_sha256"] == b.attack["poisoned_indices_sha256"]
+    pgd_acc = b.metrics["attacked"].pop("pgd_acc")
     assert a.metrics["attacked"] == b.metrics["attacked"]
+    # PGD accuracy is recorded for the attacked and the defended model when eval.pgd is enabled.
+    assert 0 <= pgd_acc <= 1 and 0 <= b.metrics["defended"]["pgd_acc"] <= 1
+    assert "pgd_acc" not in a.metrics["attacked"]
 
 
 def test_training_step_hook_replaces_the_loss(mnist5k):

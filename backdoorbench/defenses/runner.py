@@ -21,6 +21,7 @@ class DefenseOutcome:
     defended: dict[str, float]  # CA, ASR, RA of the defended system
     detection: dict[str, Any] | None  # TPR, FPR, AUROC where the defense detects
     extras: dict[str, Any]
+    model: nn.Module | None = None  # the repaired / retrained model, when the defense makes one
 
 
 def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Split) -> DefenseOutcome:
@@ -31,7 +32,7 @@ def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Spl
     if defense.stage in ("post_train", "in_train"):
         if result.model is None:
             raise RuntimeError(f"defense {defense.name} ({defense.stage}) returned no model")
-        return DefenseOutcome(evaluate(result.model, trainer, attack, test), None, extras)
+        return DefenseOutcome(evaluate(result.model, trainer, attack, test), None, extras, result.model)
 
     if defense.stage == "pre_train":
         if result.sample_scores is None or result.flagged is None:
@@ -49,7 +50,7 @@ def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Spl
         model = ctx.build_model()
         ctx.train_victim(model, train=ctx.poisoned_train.subset(kept))
         extras["n_kept"] = int(len(kept))
-        return DefenseOutcome(evaluate(model, trainer, attack, test), detection, extras)
+        return DefenseOutcome(evaluate(model, trainer, attack, test), detection, extras, model)
 
     if defense.stage == "input":
         assert isinstance(defense, InputDefense)
