@@ -213,6 +213,19 @@ def test_all2all_poisoned_term_targets_the_next_class(kind):
     assert torch.allclose(loss, expected, atol=1e-6)
 
 
+def test_clean_and_triggered_images_share_one_batch_norm_batch():
+    attack = make_attack("lira")
+    torch.manual_seed(0)
+    model = Normalized(MnistCNN(in_channels=1, num_classes=4, image_size=16, hidden=16, dropout=0.0), (0.5,), (0.25,))
+    x, y = batch()
+    x_trig = attack.apply_trigger(x)
+    logits = attack.classifier_loss(model.train(), x, y, x_trig, attack.target_rule(y))[1]
+    with torch.no_grad():
+        assert torch.allclose(logits, model(torch.cat([x, x_trig])), atol=1e-5)
+        # a separate forward would normalize the triggered batch by its own statistics
+        assert not torch.allclose(logits[16:], model(x_trig), atol=1e-4)
+
+
 def test_true_labels_stage_one_trains_the_classifier_on_triggered_images_with_their_labels():
     attack, model = make_attack("lira", stage1_classifier="true_labels", poison_rate=0.5), make_model()
     attack.begin_stage1(make_trainer())

@@ -66,7 +66,9 @@ class Bpp(Attack):
     rotation augmentation is the trainer's business and not added. Negatives are not counted in
     the poisoned indices (they carry no backdoor label); they are in `negative_indices`.
     Official defaults: squeeze_num 8, injection 0.2, neg 0.2, dithering off (its bool flag can't
-    be turned on from the CLI); the paper's method dithers, and so do we by default.
+    be turned on from the CLI); the paper's method dithers, and so do we by default. The class
+    default keeps 8 levels; conf/attack/bpp.yaml uses 2, because MNIST digits are nearly binary
+    and 8 levels change few of their pixels (on mnist5k, 10 epochs: ASR 1.9% with 8, 99% with 2).
     """
 
     name = "bpp"

@@ -24,7 +24,8 @@ EPSILON = 1e-7  # the official code's, in the output squashing and the diversity
 
 
 def _conv_block(in_channels: int, out_channels: int, relu: bool = True) -> nn.Sequential:
-    block = nn.Sequential(nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels, momentum=0.05))
+    conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+    block = nn.Sequential(conv, nn.BatchNorm2d(out_channels, momentum=0.05))  # the official momentum
     if relu:
         block.append(nn.ReLU(inplace=True))
     return block
@@ -168,7 +169,9 @@ class InputAware(TrainingAttack):
                 _not_number(m) or not 0 < m <= 1 for m in milestones
             ):
                 shown = list(milestones) if isinstance(milestones, Sequence) else milestones
-                raise ConfigError(f"attack.{key}={shown!r} is invalid; use a list of fractions of the training in (0, 1]")
+                raise ConfigError(
+                    f"attack.{key}={shown!r} is invalid; use a list of fractions of the training in (0, 1]"
+                )
         if depth is None:  # the official nets: 3 stages for 32 px images, 2 for MNIST's 28 px
             depth = 3 if height % 8 == 0 and width % 8 == 0 else 2
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1 or height % 2**depth or width % 2**depth:
@@ -191,11 +194,13 @@ class InputAware(TrainingAttack):
         self.mask_milestones = tuple(float(m) for m in mask_milestones)
         self.lr_gamma = float(lr_gamma)
         self.seed = seed
-        self.pattern_generator = _seeded(seed, lambda: TriggerGenerator(image_channels, image_channels, channels, depth))
+        self.pattern_generator = _seeded(
+            seed, lambda: TriggerGenerator(image_channels, image_channels, channels, depth)
+        )
         self.mask_generator = _seeded(seed + 1, lambda: TriggerGenerator(image_channels, 1, channels, depth))
         self._initial_pattern_state = copy.deepcopy(self.pattern_generator.state_dict())
         self.mask_ready = False
-        self.mask_history: list[dict[str, float]] = []
+        self.mask_history: list[dict[str, Any]] = []  # one row per mask pre-training epoch
         # Per-batch choices; reseeded from the training generator in train_victim.
         self.batch_generator = torch.Generator().manual_seed(seed + 2)
         self._optimizer: torch.optim.Optimizer | None = None
@@ -268,8 +273,9 @@ class InputAware(TrainingAttack):
                 div_sum += div.detach()
                 steps += 1
             norm_mean, div_mean = norm_sum.item() / max(steps, 1), div_sum.item() / max(steps, 1)
-            row = {"stage": "mask", "epoch": epoch + 1, "loss": self.lambda_norm * norm_mean + self.lambda_div * div_mean,
-                   "norm": norm_mean, "div": div_mean, "lr": lr, "time_s": time.perf_counter() - started}
+            loss_mean = self.lambda_norm * norm_mean + self.lambda_div * div_mean
+            row = {"stage": "mask", "epoch": epoch + 1, "loss": loss_mean, "norm": norm_mean, "div": div_mean,
+                   "lr": lr, "time_s": time.perf_counter() - started}
             self.mask_history.append(row)
             log.info("input_aware mask epoch %d/%d: norm %.4f, diversity %.4f", epoch + 1, self.mask_epochs,
                      norm_mean, div_mean)
