@@ -94,9 +94,9 @@ class LIRA(TrainingAttack):
       (`train_victim` called again), it gets stage II only against the frozen, already learned
       trigger, so attacked and defended models are scored with the same trigger (the released
       code likewise injects the frozen generator into a fresh classifier).
-    - The look-ahead is off by default: on mnist5k it made a stage-I epoch 2.5x slower (90 s vs
-      35 s on the shared 2-core CPU) for no gain (all2one CA 97.1% / ASR 99.3% with it, 97.6% /
-      99.0% without; all2all failed either way). With `lookahead=true` the virtual step is plain
+    - The look-ahead is off by default: it costs 2-3x per stage-I step (second-order backward
+      through f) and gained nothing on mnist5k (all2one CA 97.6% / ASR 99.1% with it, 97.5% /
+      99.2% without; all2all failed either way). With `lookahead=true` the virtual step is plain
       SGD at the trainer's configured lr (`lookahead_lr` overrides it), as in the released code;
       the learning-rate schedule is ignored there.
     - The generator's forwards through f restore f's batch-norm statistics afterwards, so only the
