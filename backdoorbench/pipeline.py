@@ -213,7 +213,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     defended = der = detection = None
     defense_info: dict[str, Any] = {"name": "none"}
     if defense is not None:
-        subset = clean_subset_indices(len(data.train), poisoned.indices, defense.clean_fraction, stream(seed, "clean_subset"))
+        if defense.needs_clean_data or defense.clean_fraction > 0:
+            subset = clean_subset_indices(len(data.train), poisoned.indices, defense.clean_fraction, stream(seed, "clean_subset"))
+        else:  # data-free defenses (CLP) run with no clean sample at all
+            subset = torch.zeros(0, dtype=torch.long)
 
         def train_victim(net, wrap_step=None, train=None):
             attack.train_victim(trainer, net, poisoned.split if train is None else train,
