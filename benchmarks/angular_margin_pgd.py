@@ -1,7 +1,8 @@
 """Does the angular-margin penalty raise PGD accuracy, as Xu, Li, Yang (arXiv 2010.03844) claim?
 
 Trains mnist_cnn on clean mnist5k twice with the toolkit's Trainer and the default trainer
-settings (SGD 0.01, momentum 0.9, weight decay 5e-4, cosine, crop padding 2): plainly, and with
+settings (SGD 0.01, momentum 0.9, weight decay 5e-4, cosine, crop padding 2; `--optimizer adam`
+for Adam 0.001, closer to the authors' Adam): plainly, and with
 the defense's head (BN -> tanh -> bias-free linear) and loss CE + lambda ||W W^T - s^2 G||_F.
 Prints clean accuracy and L_inf PGD accuracy (random start, CE ascent; the authors evaluate
 MNIST with 100 steps of eps/30, foolbox `rel_stepsize`) at several radii. A CPU-sized run:
@@ -30,6 +31,9 @@ from backdoorbench.train import Trainer, cross_entropy_step
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                        help="sgd: the toolkit default (momentum 0.9, wd 5e-4); adam: as conf/trainer/optimizer/adam")
+    parser.add_argument("--lr", type=float, default=None, help="default 0.01 for sgd, 0.001 for adam")
     parser.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
     parser.add_argument("--steps", type=int, default=100, help="PGD steps (the authors' MNIST evaluation: 100)")
     parser.add_argument("--rel-step", type=float, default=1 / 30, help="PGD step as a fraction of eps (authors: 1/30)")
@@ -41,7 +45,11 @@ def main() -> None:
     args = parser.parse_args()
 
     data = load_mnist5k()
-    trainer = Trainer(epochs=args.epochs, optimizer=partial(torch.optim.SGD, lr=0.01, momentum=0.9, weight_decay=5e-4),
+    if args.optimizer == "sgd":
+        optimizer = partial(torch.optim.SGD, lr=args.lr or 0.01, momentum=0.9, weight_decay=5e-4)
+    else:
+        optimizer = partial(torch.optim.Adam, lr=args.lr or 0.001)
+    trainer = Trainer(epochs=args.epochs, optimizer=optimizer,
                       crop_padding=data.crop_padding, hflip=data.hflip, progress=False, device=args.device)
     test_x = to_float(data.test.images[: args.n_test])
     test_y = data.test.labels[: args.n_test]
@@ -50,7 +58,7 @@ def main() -> None:
         "plain": ({}, cross_entropy_step),
         "angular_margin": ({"head": SimplexHead, "feature_act": nn.Identity}, defense.wrap_step(cross_entropy_step)),
     }
-    print(f"mnist5k, mnist_cnn, {args.epochs} epochs, seed {args.seed}; PGD L_inf {args.steps} steps of {args.rel_step:.3g} eps, "
+    print(f"mnist5k, mnist_cnn, {args.epochs} epochs of {args.optimizer}, seed {args.seed}; PGD L_inf {args.steps} steps of {args.rel_step:.3g} eps, "
           f"random start, on {len(test_y)} test images; device {trainer.device}")
     print(f"{'model':<15} {'CA':>7} " + " ".join(f"{'eps=' + format(e, 'g'):>9}" for e in args.eps) + "   notes")
     for name, (kwargs, step) in variants.items():
