@@ -62,10 +62,12 @@ class RunSchema:
     seed: int = 0
     device: str = "auto"
     results_dir: str = "results"
+    cache: bool = True  # reuse a victim trained before with the same dataset/model/attack/trainer/seed
+    cache_dir: Optional[str] = None  # null = <results_dir>/cache/victims
 
 
 # Keys that change where or how a run reports, never what it computes; left out of the run id.
-NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weights")
+NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weights", "cache", "cache_dir")
 
 store = ConfigStore.instance()
 store.store(name="run_schema", node=RunSchema)

@@ -9,6 +9,13 @@ from pathlib import Path
 from backdoorbench.errors import ConfigError
 
 
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp's 0600 would hide shared results)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
     path = Path(path)
@@ -19,6 +26,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -37,4 +45,24 @@ def ensure_writable_dir(path: str | Path, what: str = "results_dir") -> Path:
         raise ConfigError(
             f"{what}={str(path)!r} cannot be written ({exc.strerror or exc}); choose a folder you can write to"
         ) from exc
+    return path
+
+
+def atomic_torch_save(obj: object, path: str | Path) -> Path:
+    """`torch.save` to a temp file beside `path`, fsync, then rename: readers see all or nothing."""
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, _umask_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path

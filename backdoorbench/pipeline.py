@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import backdoorbench
 from backdoorbench.attacks.base import Attack
+from backdoorbench.cache import VictimCache, victim_key
 from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
@@ -165,6 +166,54 @@ def measure_stealth(attack: Attack, data: ImageDataset, eval_cfg: DictConfig, de
     return stealth, torch.cat([clean[:8], poisoned[:8]])
 
 
+def remove_checkpoints(folder: Path) -> None:
+    """Per-epoch checkpoints exist only to resume an unfinished training; drop them once safe."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with suppress(OSError):
+        folder.parent.rmdir()  # when no other run is unfinished
+
+
+def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack,
+                  trainer, timings: dict[str, float], results_dir: Path) -> tuple[dict[str, Any], Any, Normalized]:
+    """The attacked model: from the victim cache when an identical one was trained before (the
+    attack's state restored with it), else prepared, poisoned and trained here (and cached).
+    Returns (the record's `victim` block, the poisoned training data, the model)."""
+    seed = cfg.seed
+    key = victim_key(config, trainer.device)
+    cache = VictimCache(Path(cfg.cache_dir).expanduser() if cfg.cache_dir else results_dir / "cache" / "victims", key) \
+        if cfg.cache else None
+    with cache.locked() if cache is not None else nullcontext():
+        if cache is not None:
+            rng = torch.get_rng_state()
+            model = build_model(cfg, data)
+            started = time.perf_counter()
+            hit = cache.load(model, attack, data.train)
+            if hit is not None:
+                timings["victim_cache_load"] = round(time.perf_counter() - started, 4)
+                timings["poison"] = timings["train"] = 0.0
+                log.info("victim %s from the cache (%s); it took %.1f s to train", key, cache.path, hit.train_s)
+                return ({"cache": "hit", "key": key, "path": str(cache.path), "train_s": hit.train_s,
+                         "poison_s": hit.poison_s}, hit.poisoned, model)
+            torch.set_rng_state(rng)  # a miss draws exactly what a run without the cache draws
+        with timed(timings, "poison"):
+            attack.prepare(trainer=trainer, train=data.train, generator=stream(seed, "attack"),
+                           build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
+            poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
+        model = build_model(cfg, data)  # after prepare, as without a cache: the same global RNG draws
+        checkpoints = results_dir / "checkpoints" / (key if cache is not None else run_id)
+        with timed(timings, "train"):
+            if attack.resumable:
+                attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"), checkpoint=checkpoints / "victim.pt")
+            else:
+                attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
+        if cache is None:
+            return {"cache": "off", "key": key}, poisoned, model
+        cache.save(model, attack, data.train, poisoned, train_s=timings["train"], poison_s=timings["poison"])
+        remove_checkpoints(checkpoints)
+        return ({"cache": "miss", "key": key, "path": str(cache.path), "train_s": timings["train"],
+                 "poison_s": timings["poison"]}, poisoned, model)
+
+
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord, Path]:
     """Run one resolved config end to end; return the record and the path it was written to."""
     validate_config(cfg)
@@ -189,17 +238,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
              data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)
 
-    with timed(timings, "poison"):
-        attack.prepare(trainer=trainer, train=data.train, generator=stream(seed, "attack"),
-                       build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
-        poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
-    model = build_model(cfg, data)
-    checkpoints = results_dir / "checkpoints" / run_id
-    with timed(timings, "train"):
-        if attack.resumable:
-            attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"), checkpoint=checkpoints / "victim.pt")
-        else:
-            attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
+    victim, poisoned, model = obtain_victim(cfg, config, run_id, data, attack, trainer, timings, results_dir)
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
     if cfg.eval.pgd.enabled:
@@ -265,6 +304,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         seed=seed,
         metrics={"attacked": attacked, "defended": defended, "der": der, "detection": detection},
         stealth=stealth,
+        victim=victim,
         timings_s=timings,
         env=environment(trainer.device),
         config=config,
@@ -272,9 +312,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     )
     path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
     save_record(record, path)
-    shutil.rmtree(checkpoints, ignore_errors=True)  # only for resuming an unfinished run
-    with suppress(OSError):
-        checkpoints.parent.rmdir()  # when no other run is unfinished
+    remove_checkpoints(results_dir / "checkpoints" / run_id)  # cache off: kept until the record is safe
     if logger is not None:
         logger.log_summary(record.to_dict())
         logger.finish(path)
@@ -296,6 +334,11 @@ def summary_table(record: RunRecord, path: Path) -> str:
     target = f" target {attack['target']}" if attack["target"] is not None else ""
     lines.insert(0, f"{attack['name']} {attack['target_mode']}{target}, poison rate {attack['poison_rate']} "
                     f"({attack['n_poisoned']} samples) on {record.dataset['name']} / {record.model['name']}, seed {record.seed}")
-    lines.append(f"time {record.timings_s['total']:.1f} s (train {record.timings_s['train']:.1f} s) on {record.env['device']}")
+    victim = record.victim or {}
+    if victim.get("cache") == "hit":
+        trained = f"victim from the cache, trained before in {victim['train_s']:.1f} s"
+    else:
+        trained = f"train {record.timings_s['train']:.1f} s"
+    lines.append(f"time {record.timings_s['total']:.1f} s ({trained}) on {record.env['device']}")
     lines.append(f"record: {path}")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from backdoorbench.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
 METRIC_KEYS = ("clean_acc", "asr", "ra")
+OPTIONAL_FIELDS = {"victim"}  # added within schema 1; records written before it lack them
 
 
 class RecordError(ValueError):
@@ -38,6 +39,8 @@ class RunRecord:
     env: dict[str, Any]
     config: dict[str, Any]
     overrides: list[str] = field(default_factory=list)
+    # where the attacked model came from: {"cache": "hit"|"miss"|"off", "key": ..., "train_s": ...}
+    victim: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,7 +74,7 @@ def validate_record(data: Any) -> None:
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise RecordError(f"schema_version is {version!r}; this backdoorbench reads version {SCHEMA_VERSION}")
-    required = {f.name for f in fields(RunRecord)}
+    required = {f.name for f in fields(RunRecord)} - OPTIONAL_FIELDS
     missing = sorted(required - data.keys())
     if missing:
         raise RecordError(f"missing fields: {', '.join(missing)}")
