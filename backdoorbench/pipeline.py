@@ -157,7 +157,7 @@ def measure_stealth(attack: Attack, data: ImageDataset, eval_cfg: DictConfig, de
     """Stealth metrics of `apply_trigger` on a fixed, seeded set of test images, and a few
     clean/poisoned pairs for the logger's image grid."""
     count = min(eval_cfg.stealth_images, len(data.test))
-    if count < 1:
+    if count < 1 or getattr(attack, "triggerless", False):  # attack=none: nothing to measure
         return None, None
     pick = torch.randperm(len(data.test), generator=torch.Generator().manual_seed(eval_cfg.stealth_seed))[:count]
     clean = data.test.subset(pick.sort().values).float_images()

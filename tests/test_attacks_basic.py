@@ -133,3 +133,25 @@ def test_poison_dataset_relabels_and_triggers_only_chosen_samples(mode):
     assert (poisoned.split.images[idx][..., 25:, 25:] != images[idx][..., 25:, 25:]).any()
     assert torch.equal(train.images, images) and torch.equal(train.labels, y)  # input untouched
     assert len(poisoned.indices_sha256) == 64
+
+
+def test_no_attack_is_the_clean_control(tmp_path, compose_cfg):
+    from backdoorbench.pipeline import run
+
+    record, _ = run(compose_cfg("attack=none", "trainer.epochs=0", f"results_dir={tmp_path}", "trainer.progress=false"))
+    assert record.attack["n_poisoned"] == 0 and record.attack["poison_rate"] == 0.0
+    assert record.stealth is None  # an identity trigger has no finite PSNR to report
+    # untrained model: ASR is just the share of non-target test images it already calls the target
+    assert 0 <= record.metrics["attacked"]["asr"] <= 1
+
+
+def test_no_attack_changes_nothing():
+    from backdoorbench.attacks.none import NoAttack
+    from backdoorbench.errors import ConfigError
+
+    attack = NoAttack(num_classes=10, image_shape=(1, 28, 28))
+    x = torch.rand(4, 1, 28, 28)
+    assert torch.equal(attack.apply_trigger(x), x)
+    assert len(attack.poison_indices(torch.arange(10), torch.Generator())) == 0
+    with pytest.raises(ConfigError, match="poison_rate"):
+        NoAttack(num_classes=10, image_shape=(1, 28, 28), poison_rate=0.1)
