@@ -132,7 +132,7 @@ def test_untouched_samples_stay_clean(name):
 
 
 @pytest.mark.parametrize("name, kw", [("sig", {"clean_label": False}), ("bpp", {}), ("trojannn", {}),
-                                      ("refool", {"clean_label": False})])
+                                      ("refool", {"clean_label": False}), ("label_consistent", {"clean_label": False})])
 def test_dirty_label_all2all_relabels_to_next_class(name, kw):
     split = make_split()
     poisoned = build(name, "all2all", **kw).poison_dataset(split, torch.Generator().manual_seed(3))

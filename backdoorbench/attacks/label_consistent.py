@@ -62,8 +62,11 @@ class LabelConsistent(Attack):
     the official code's 3x3 pattern at native resolution on any image size (BackdoorBench resizes
     a 32x32 mask instead).
 
-    Target modes: all2one only; clean-label all2all is not meaningful (poisoned images keep
-    label y, so the trigger cannot teach y -> y+1) and raises a ConfigError.
+    Target modes: the paper is all2one only; clean-label all2all is not meaningful (poisoned images
+    keep label y, so the trigger cannot teach y -> y+1) and raises a ConfigError. As for SIG,
+    `clean_label=false` gives the dirty-label variant (hardened + triggered non-target images,
+    relabelled by the target rule), which is what all2all can mean; it is no longer the paper's
+    attack, whose point is the consistent label.
     """
 
     name = "label_consistent"
@@ -82,13 +85,16 @@ class LabelConsistent(Attack):
         surrogate_adv_eps: float = 0.0,
         surrogate_adv_steps: int = 5,
         batch_size: int = 256,
+        clean_label: bool = True,
         **common,
     ) -> None:
         super().__init__(**common)
-        if self.target_mode == "all2all":
+        self.clean_label = bool(clean_label)
+        if self.clean_label and self.target_mode == "all2all":
             raise ConfigError(
                 "attack.target_mode=all2all is not meaningful for label_consistent (a clean-label attack keeps "
-                "each poisoned label y, so it cannot teach y -> y+1); use attack.target_mode=all2one"
+                "each poisoned label y, so it cannot teach y -> y+1); use attack.target_mode=all2one "
+                "or attack.clean_label=false"
             )
         _check_number("eps", eps, 0.0, 1.0, low_open=True)
         _check_number("amplitude", amplitude, 0.0, 1.0, low_open=True)
@@ -186,7 +192,10 @@ class LabelConsistent(Attack):
         images = train.images.clone()
         images[indices] = to_uint8(self.apply_trigger(hard))
         self._surrogate = None  # only needed once; free its memory
-        return PoisonedData(Split(images, train.labels.clone()), indices)
+        labels = train.labels.clone()
+        if not self.clean_label:  # the dirty-label variant (all2all)
+            labels[indices] = self.target_rule(labels[indices])
+        return PoisonedData(Split(images, labels), indices)
 
     def describe(self) -> dict:
         return {
