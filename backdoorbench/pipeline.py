@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import backdoorbench
+from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
 from backdoorbench.config import NON_RESULT_KEYS
@@ -84,7 +86,10 @@ def timed(timings: dict[str, float], stage: str):
     timings[stage] = round(time.perf_counter() - start, 4)
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> dict[str, Any]:
+    """The commit (and dirtiness) of the code when this process first asked: a multirun keeps
+    running the modules it imported, so a commit made meanwhile must not be credited with its runs."""
     root = Path(backdoorbench.__file__).resolve().parent.parent
     def git(*args: str) -> str | None:
         try:
@@ -115,7 +120,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
         "numpy": numpy.__version__,
-        **git_commit(),
+        **dict(git_commit()),
         "device": name,
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -217,6 +222,7 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord, Path]:
     """Run one resolved config end to end; return the record and the path it was written to."""
     validate_config(cfg)
+    git_commit()  # read now: the commit this process's code came from, even if HEAD moves later
     config = OmegaConf.to_container(cfg, resolve=True)
     run_id = config_hash(config, NON_RESULT_KEYS)
     group_id = config_hash(config, NON_RESULT_KEYS + ("seed",))
@@ -248,6 +254,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         stealth, examples = measure_stealth(attack, data, cfg.eval, trainer.device)
     if logger is not None and examples is not None:
         logger.log_images("clean_vs_poisoned", examples)
+    artifacts = example_artifacts(model, examples, trainer) if examples is not None else {}  # figures' data
 
     defended = der = detection = None
     defense_info: dict[str, Any] = {"name": "none"}
@@ -275,6 +282,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         with timed(timings, "defense"):
             outcome = run_defense(defense, ctx, attack, data.test)
         defended, detection = outcome.defended, outcome.detection
+        artifacts.update(outcome.artifacts)
         repaired = outcome.model
         if cfg.eval.pgd.enabled and repaired is not None:
             with timed(timings, "pgd_defended"):
@@ -311,6 +319,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         overrides=list(overrides or []),
     )
     path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
+    record.artifacts = write_beside_record(path, artifacts)  # before the record: it never names a missing file
     save_record(record, path)
     remove_checkpoints(results_dir / "checkpoints" / run_id)  # cache off: kept until the record is safe
     if logger is not None:
