@@ -66,8 +66,8 @@ def _combinations(overrides: list[str]) -> Iterator[list[str]]:
 def _check_group_choices(overrides: list[str]) -> None:
     loader = GlobalHydra.instance().config_loader()
     for override in OverridesParser.create().parse_overrides(overrides):
-        group = override.key_or_group
-        if group not in GROUPS and not group.startswith("hydra/") or override.package is not None or override.is_delete():
+        group = override.key_or_group  # e.g. attack, trainer/optimizer, hydra/launcher
+        if group.split("/")[0] not in (*GROUPS, "hydra") or override.package is not None or override.is_delete():
             continue
         valid = sorted(o for o in loader.get_group_options(group) if not o.startswith("_"))
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
