@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 import backdoorbench.config  # noqa: F401  (registers the schemas)
-from backdoorbench.config import GROUPS
+from backdoorbench.config import GROUPS, ignore_launcher_schema_match
 from backdoorbench.errors import ConfigError, UserError
 
 CONFIG_MODULE = "backdoorbench.conf"
@@ -95,6 +95,7 @@ def preflight(argv: list[str]) -> None:
     overrides, skip = split_overrides(argv)
     if skip:
         return
+    ignore_launcher_schema_match()  # again: a caller (e.g. pytest) may have reset the filters
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):

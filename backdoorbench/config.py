@@ -74,8 +74,12 @@ NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weig
 # purpose, so `hydra/launcher=joblib` means what the plugins document, and Hydra 1.3 still checks
 # them against the plugins' schemas of the same name; it warns about that match on every sweep.
 # Each file lists every field, so it stands alone once Hydra drops the matching.
-warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema",
-                        category=UserWarning)
+def ignore_launcher_schema_match() -> None:
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema",
+                            category=UserWarning)
+
+
+ignore_launcher_schema_match()
 
 store = ConfigStore.instance()
 store.store(name="run_schema", node=RunSchema)

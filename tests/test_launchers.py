@@ -52,8 +52,9 @@ def test_launcher_configs_compose_with_our_settings(launcher):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    import backdoorbench.config  # noqa: F401  (registers the schemas)
+    from backdoorbench.config import ignore_launcher_schema_match  # importing registers the schemas
 
+    ignore_launcher_schema_match()  # pytest resets warning filters per test
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="backdoorbench.conf", version_base="1.3"):
