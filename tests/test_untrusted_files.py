@@ -130,6 +130,26 @@ def test_a_malicious_dataset_cache_is_not_run_but_rebuilt(tmp_path):
     assert_really_malicious(cache, marker)
 
 
+def test_a_malicious_victim_cache_entry_is_not_run_but_retrained(tmp_path, compose_cfg, caplog):
+    from backdoorbench.cache import ENTRY_FORMAT
+    from backdoorbench.pipeline import run
+
+    overrides = ["trainer.epochs=1", "dataset.test_per_class=450", "eval.stealth_images=0", "logger=none",
+                 "trainer.progress=false", f"results_dir={tmp_path}"]
+    first, _ = run(compose_cfg(*overrides))
+    assert first.victim["cache"] == "miss"
+    [entry] = (tmp_path / "cache").rglob("*.pt")  # where the cache keeps it is the cache's business
+    marker = tmp_path / "pwned"
+    write_malicious(entry, {"format": ENTRY_FORMAT, "model": RunsCode(marker)})
+    with caplog.at_level("WARNING", logger="backdoorbench.cache"):
+        second, _ = run(compose_cfg(*overrides))
+    assert not marker.exists()
+    assert any("UnpicklingError" in r.getMessage() and str(entry) in r.getMessage() for r in caplog.records)
+    assert second.victim["cache"] == "miss" and second.metrics == first.metrics  # retrained, same victim
+    write_malicious(entry, {"format": ENTRY_FORMAT, "model": RunsCode(marker)})  # the run replaced it
+    assert_really_malicious(entry, marker)
+
+
 def _calls(tree: ast.AST, dotted: str):
     owner, name = dotted.rsplit(".", 1)
     for node in ast.walk(tree):
@@ -158,4 +178,4 @@ def test_every_load_in_the_package_refuses_code():
                 if any(k.arg == "allow_pickle" for k in call.keywords):
                     offenders.append(f"{source.relative_to(package)}:{call.lineno} {dotted}(allow_pickle=...)")
     assert offenders == []
-    assert loads >= 4  # trainer checkpoint, dataset cache, timm weights, LPIPS weights: the scan sees them
+    assert loads >= 5  # trainer checkpoint, victim cache, dataset cache, timm and LPIPS weights: all seen
