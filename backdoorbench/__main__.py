@@ -8,7 +8,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from backdoorbench.cli import fail, preflight
+from backdoorbench.cli import discard_job_outputs, fail, preflight
 from backdoorbench.errors import UserError
 
 
@@ -19,6 +19,7 @@ def app(cfg: DictConfig) -> None:
     try:
         record, path = run(cfg, overrides=list(HydraConfig.get().overrides.task))
     except UserError as exc:
+        discard_job_outputs(cfg.results_dir)
         fail(exc)
     print(summary_table(record, path), flush=True)
 

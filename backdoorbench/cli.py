@@ -2,13 +2,17 @@
 
 Hydra reports an unknown option, key or type as a multi-line message with exit code 1. Before
 Hydra starts (and writes anything), we compose every value of the command line once with
-Hydra's compose API and report the first problem as `error: ...`, exit code 2.
+Hydra's compose API (its own `hydra...` overrides too, e.g. `hydra/launcher=joblib`) and report
+the first problem as `error: ...`, exit code 2. The preflight leaves no folder behind, and a run
+that fails a later check removes the files Hydra wrote for it, so bad input writes nothing.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
 
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
@@ -17,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 import backdoorbench.config  # noqa: F401  (registers the schemas)
-from backdoorbench.config import GROUPS
+from backdoorbench.config import GROUPS, ignore_launcher_schema_match
 from backdoorbench.errors import ConfigError, UserError
 
 CONFIG_MODULE = "backdoorbench.conf"
@@ -62,8 +66,8 @@ def _combinations(overrides: list[str]) -> Iterator[list[str]]:
 def _check_group_choices(overrides: list[str]) -> None:
     loader = GlobalHydra.instance().config_loader()
     for override in OverridesParser.create().parse_overrides(overrides):
-        group = override.key_or_group
-        if group not in GROUPS or override.package is not None or override.is_delete():
+        group = override.key_or_group  # e.g. attack, trainer/optimizer, hydra/launcher
+        if group.split("/")[0] not in (*GROUPS, "hydra") or override.package is not None or override.is_delete():
             continue
         valid = sorted(o for o in loader.get_group_options(group) if not o.startswith("_"))
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
@@ -91,20 +95,79 @@ def preflight(argv: list[str]) -> None:
     overrides, skip = split_overrides(argv)
     if skip:
         return
-    ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    ignore_launcher_schema_match()  # again: a caller (e.g. pytest) may have reset the filters
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            _check_group_choices(ours)
-            for combination in _combinations(ours):
-                cfg = compose(config_name="config", overrides=combination)
-                validate_config(cfg)
+            _check_group_choices(overrides)
+            for combination in _combinations(overrides):
+                cfg = compose(config_name="config", overrides=combination, return_hydra_config=True)
+                new_dirs = missing_dirs(cfg.results_dir)
+                try:
+                    validate_config(cfg)  # creates results_dir to prove it can be written
+                finally:
+                    remove_empty_dirs(new_dirs)
+                NEW_DIRS.update(new_dirs)
     except UserError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(_one_line(exc)) from exc
     finally:
         GlobalHydra.instance().clear()
+
+
+# Folders that did not exist before this process's preflight: a run that fails may remove them
+# again once they are empty (a folder the user made stays, even when empty).
+NEW_DIRS: set[Path] = set()
+
+
+def missing_dirs(path: str | Path) -> list[Path]:
+    """The folders of `path` that do not exist yet, deepest first."""
+    path = Path(path).expanduser().absolute()
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
+
+
+def remove_empty_dirs(folders: list[Path]) -> None:
+    """rmdir each folder (deepest first) that exists and is empty; stop at the first that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
+
+
+def discard_job_outputs(results_dir: str | Path) -> None:
+    """Remove what Hydra wrote for the current job (its `.hydra/*.yaml` and the job log) and the
+    folders left empty by that, up to `results_dir`: a run that failed leaves no trace of itself.
+    Only Hydra's own files are deleted, by name, so an output dir pointed at a folder holding
+    other files (e.g. hydra.run.dir=${results_dir}) keeps them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    output = Path(hydra_cfg.runtime.output_dir).absolute()
+    files = [output / f"{hydra_cfg.job.name}.log"]
+    if hydra_cfg.output_subdir is not None:
+        subdir = output / str(hydra_cfg.output_subdir)
+        files += [subdir / name for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
+    for file in files:
+        with suppress(OSError):
+            file.unlink(missing_ok=True)
+    results = Path(results_dir).expanduser().absolute()
+    chain = [] if hydra_cfg.output_subdir is None else [output / str(hydra_cfg.output_subdir)]
+    chain.append(output)
+    chain += [folder for folder in output.parents if results in folder.parents]  # e.g. hydra/runs/<day>
+    chain += [folder for folder in sorted(NEW_DIRS, key=lambda p: len(p.parts), reverse=True)
+              if folder == results or folder in results.parents]
+    remove_empty_dirs(chain)
 
 
 def fail(exc: UserError) -> None:

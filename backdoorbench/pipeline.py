@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,11 @@ def build(node: Any, **kwargs: Any) -> Any:
             cause = cause.__cause__
         if cause is not None:
             raise cause from None
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc.__cause__))
+        if isinstance(exc.__cause__, TypeError) and unknown and OmegaConf.is_config(node) and unknown[1] in node:
+            key = f"{node._get_full_key(None)}.{unknown[1]}"  # e.g. added with +trainer.foo=1
+            raise ConfigError(f"{key} is not a setting of {node._target_}; remove it "
+                              "(`python -m backdoorbench --cfg job` lists the settings)") from None
         raise
 
 

@@ -11,6 +11,7 @@ after every epoch and resumes from that file, bit-exactly on the CPU.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -27,6 +28,8 @@ from tqdm.auto import tqdm
 
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
+
+log = logging.getLogger(__name__)
 
 # A step maps (model, augmented images in [0, 1], labels) to (loss, logits, labels scored).
 StepFn = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
@@ -216,7 +219,9 @@ class Trainer:
         schedule, generator and global RNG states; if it exists when fit starts, training goes
         on from the epoch after it, ending exactly where an uninterrupted fit would (bit-exact
         on the CPU). State a `step` keeps outside the model (e.g. a trigger generator's own
-        optimizer) is not in it. Epochs restored from it are not passed to `on_epoch` again.
+        optimizer) is not in it. Epochs restored from it are passed to `on_epoch` once more, at
+        the start, because the process that logged them first is gone (a killed run's logger never
+        wrote them), so the resumed run's log holds every epoch.
         """
         epochs = self.epochs if epochs is None else epochs
         model = self.prepare(model)
@@ -236,6 +241,11 @@ class Trainer:
             checkpoint = Path(checkpoint).expanduser()
             if checkpoint.exists():
                 done, history = load_checkpoint(checkpoint, meta, model, optimizer, scheduler, generator, extra)
+                log.info("%s: resumed from %s after epoch %d of %d", desc, checkpoint, done, epochs)
+                replay = on_epoch or self.on_epoch
+                if replay is not None:
+                    for row in history:
+                        replay(row)
         images = split.images.to(self.device)
         labels = split.labels.to(self.device)
         bounds = batch_bounds(len(split), self.batch_size)

@@ -1,9 +1,7 @@
-"""The Hydra app end to end: a tiny real run, sweeps, --cfg, and every bad input the issue names."""
+"""The Hydra app end to end: a tiny real run, sweeps, --cfg, the leaderboard on its output."""
 
 import json
 from pathlib import Path
-
-import pytest
 
 from backdoorbench.records import load_record
 from tests.conftest import run_cli
@@ -49,43 +47,8 @@ def test_cfg_job_prints_the_resolved_config(tmp_path):
     assert not records_under(tmp_path)
 
 
-BAD_INPUTS = [
-    (["attack=nope"], "unknown attack 'nope'; choose one of: "),
-    (["defense=nope"], "unknown defense 'nope'; choose one of: "),
-    (["dataset=nope"], "unknown dataset 'nope'; choose one of: "),
-    (["model=nope"], "unknown model 'nope'; choose one of: "),
-    (["--multirun", "attack=badnets,nope"], "unknown attack 'nope'"),
-    (["attack.poison_rate=0"], "attack.poison_rate=0 is out of range"),
-    (["attack.poison_rate=1.5"], "attack.poison_rate=1.5 is out of range"),
-    (["attack.poison_rate=-0.1"], "attack.poison_rate=-0.1 is out of range"),
-    (["attack.target=10"], "attack.target=10 is out of range; use an integer in [0, 9]"),
-    (["attack.target=-1"], "attack.target=-1 is out of range"),
-    (["trainer.epochs=-1"], "trainer.epochs=-1 is invalid"),
-    (["trainer.epochz=3"], "trainer.epochz"),
-    (["seed=abc"], "seed=abc"),
-    (["attack.target_mode=some2some"], "attack.target_mode='some2some' is unknown; choose one of: all2one, all2all"),
-    (["attack=blended", "attack.pattern=/no/such/file.png"], "pattern '/no/such/file.png' is neither"),
-    (["defense=fine_tuning", "defense.clean_fraction=0"], "defense.clean_fraction=0 is out of range"),
-]
-
-
-@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_and_no_record(tmp_path, args, message):
-    proc = run_cli("trainer.epochs=0", *args, f"results_dir={tmp_path}")
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr
-    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
-    assert not records_under(tmp_path)
-
-
-def test_unwritable_results_dir(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("a file, not a folder")
-    proc = run_cli("trainer.epochs=0", f"results_dir={blocker}/sub")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: results_dir='{blocker}/sub' cannot be written")
-    assert "Traceback" not in proc.stderr
+# Bad input (unknown names, wrong types, values out of range, bad files, NaN loss, a results folder
+# that can't be written): the catalogue in tests/test_hostile.py.
 
 
 def test_leaderboard_module_runs_on_app_output(tmp_path):

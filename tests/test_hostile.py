@@ -1,0 +1,164 @@
+"""The catalogue of hostile or broken input. Each case is a real `python -m backdoorbench` call that
+must print exactly one line on stderr, `error: ...` naming the problem, exit with code 2, and
+write nothing: no record, no Hydra output folder, not even the results folder it was given.
+
+Some cases fail in the preflight (before Hydra starts), others only once the run has started
+(a value the attack checks, a dataset file, the loss turning NaN): those must clean up what Hydra
+had already written for them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from tests import dataset_files as files
+from tests.conftest import run_cli
+
+Setup = Callable[[Path], list[str]]
+
+
+def fixed(*args: str) -> Setup:
+    return lambda tmp: list(args)
+
+
+def text_file_as_pattern(tmp: Path) -> list[str]:
+    (tmp / "pattern.png").write_text("not an image, whatever the name says")
+    return ["attack=blended", f"attack.pattern={tmp / 'pattern.png'}"]
+
+
+def mnist_root_with(tmp: Path, *, images: np.ndarray | None = None, labels: np.ndarray | None = None) -> list[str]:
+    """A tiny MNIST in the real IDX format whose train images or labels are then replaced."""
+    root = tmp / "data"
+    files.write_mnist(root, gz=False)
+    raw = root / "MNIST" / "raw"
+    if images is not None:
+        (raw / "train-images-idx3-ubyte").write_bytes(files.idx_bytes(images))
+    if labels is not None:
+        (raw / "train-labels-idx1-ubyte").write_bytes(files.idx_bytes(labels))
+    return ["dataset=mnist", f"dataset.root={root}", "model=mnist_cnn"]
+
+
+def mnist_wrong_shape(tmp: Path) -> list[str]:
+    return mnist_root_with(tmp, images=np.zeros((40, 27, 27), dtype=np.uint8))
+
+
+def mnist_label_out_of_range(tmp: Path) -> list[str]:
+    return mnist_root_with(tmp, labels=np.array([3, 12] * 20, dtype=np.uint8))  # digits go to 9
+
+
+# (id, setup -> extra CLI arguments, a fragment the error line must contain)
+CASES: list[tuple[str, Setup, str]] = [
+    # unknown names: config keys, group options (ours and Hydra's own)
+    ("unknown key", fixed("trainer.epochz=3"), "Key 'epochz' not in 'TrainerSchema'"),
+    ("added key the target does not take", fixed("+trainer.foo=1"),
+     "trainer.foo is not a setting of backdoorbench.train.Trainer"),
+    ("unknown attack", fixed("attack=nope"), "unknown attack 'nope'; choose one of: badnets, blended"),
+    ("unknown optimizer", fixed("trainer/optimizer=nope"), "unknown trainer/optimizer 'nope'; choose one of: adam, sgd"),
+    ("unknown value in a sweep", fixed("--multirun", "attack=badnets,nope"), "unknown attack 'nope'"),
+    ("unknown launcher", fixed("--multirun", "hydra/launcher=nope"),
+     "unknown hydra/launcher 'nope'; choose one of: basic, joblib, submitit_local, submitit_slurm"),
+    ("unknown target mode", fixed("attack.target_mode=some2some"),
+     "attack.target_mode='some2some' is unknown; choose one of: all2one, all2all"),
+    # wrong types
+    ("seed not an int", fixed("seed=abc"), "seed=abc"),
+    ("flag not a bool", fixed("trainer.augment=maybe"), "Value 'maybe' is not a valid bool"),
+    ("poison rate not a number", fixed("attack.poison_rate=abc"), "attack.poison_rate='abc' is out of range"),
+    # numbers out of range
+    ("poison rate 0", fixed("attack.poison_rate=0"), "attack.poison_rate=0 is out of range; use a number in (0, 1]"),
+    ("target = num classes", fixed("attack.target=10"), "attack.target=10 is out of range; use an integer in [0, 9]"),
+    ("negative epochs", fixed("trainer.epochs=-1"), "trainer.epochs=-1 is invalid"),
+    ("clean fraction 0", fixed("defense=fine_tuning", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
+    ("lira eps above 1", fixed("attack=lira", "attack.eps=2"), "attack.eps=2 is out of range; use a number in (0.0, 1.0]"),
+    ("lira test eps", fixed("attack=lira", "attack.test_eps=1.5"), "attack.test_eps=1.5 is out of range"),
+    ("wb eps negative", fixed("attack=wb", "attack.eps=-0.1"), "attack.eps=-0.1 is out of range"),
+    # files
+    ("pattern file missing", fixed("attack=blended", "attack.pattern=/no/such/file.png"),
+     "pattern '/no/such/file.png' is neither"),
+    ("pattern file not an image", text_file_as_pattern, "pattern.png' is not a readable image"),
+    ("dataset of the wrong shape", mnist_wrong_shape, "images are 27x27, expected 28x28"),
+    ("dataset labels out of range", mnist_label_out_of_range, "train labels span [3, 12], expected [0, 9]"),
+    # training
+    ("NaN loss", fixed("trainer.epochs=1", "dataset.test_per_class=400", "trainer.optimizer.lr=1e30"),
+     "victim: the training loss became nan at epoch 1; lower the learning rate"),
+]
+
+
+# More values of the same kinds, refused by the same preflight code as a CLI case above: checked
+# in-process (a CLI call costs seconds, most of it importing torch), with the same one-line message.
+PREFLIGHT_CASES: list[tuple[list[str], str]] = [
+    (["nosuchkey=1"], "Could not override 'nosuchkey'"),
+    (["defense=nope"], "unknown defense 'nope'; choose one of: "),
+    (["dataset=nope"], "unknown dataset 'nope'; choose one of: "),
+    (["model=nope"], "unknown model 'nope'; choose one of: "),
+    (["trainer.epochs=ten"], "Value 'ten' of type 'str' could not be converted to Integer"),
+    (["attack.poison_rate=-0.1"], "attack.poison_rate=-0.1 is out of range"),
+    (["attack.poison_rate=1.5"], "attack.poison_rate=1.5 is out of range"),
+    (["attack.target=-1"], "attack.target=-1 is out of range"),
+    (["--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=two"], "hydra.launcher.n_jobs=two"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", PREFLIGHT_CASES, ids=[" ".join(a) for a, _ in PREFLIGHT_CASES])
+def test_more_hostile_values_are_refused_by_the_preflight(tmp_path, args, fragment):
+    from backdoorbench.cli import preflight
+    from backdoorbench.errors import ConfigError
+
+    results = tmp_path / "results"
+    with pytest.raises(ConfigError) as info:
+        preflight(["trainer.epochs=0", *args, f"results_dir={results}"])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert not results.exists()
+
+
+def assert_refused(proc, fragment: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("setup,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, setup, fragment):
+    results = tmp_path / "results"  # does not exist yet: a refused run must not even create it
+    proc = run_cli("trainer.epochs=0", "eval.stealth_images=0", *setup(tmp_path), f"results_dir={results}")
+    assert_refused(proc, fragment)
+    left = sorted(str(p.relative_to(results)) for p in results.rglob("*")) if results.exists() else []
+    # The one exception: a run that got as far as the victim cache leaves that victim's empty lock
+    # file (cache/victims/<key>.lock). Lock files stay by design: deleting one while another process
+    # waits on it would let a third process lock a new file and train the same victim in parallel.
+    locks = [p for p in left if p.startswith("cache/victims/") and p.endswith(".lock") and (results / p).stat().st_size == 0]
+    assert [p for p in left if p not in locks and p not in ("cache", "cache/victims")] == [], left
+
+
+def test_results_dir_under_a_file_cannot_be_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a folder")
+    proc = run_cli("trainer.epochs=0", f"results_dir={blocker}/sub")
+    line = assert_refused(proc, f"results_dir='{blocker}/sub' cannot be written")
+    assert line.endswith("choose a folder you can write to")
+    assert blocker.read_text() == "a file, not a folder" and sorted(tmp_path.iterdir()) == [blocker]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0o500 folder anyway; the file case above covers root")
+def test_results_dir_without_write_permission(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        proc = run_cli("trainer.epochs=0", f"results_dir={locked}/sub")
+        assert_refused(proc, f"results_dir='{locked}/sub' cannot be written")
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_failed_run_keeps_the_users_empty_results_folder(tmp_path):
+    # A folder that existed before the run is the user's: only folders the run made are removed.
+    proc = run_cli("trainer.epochs=0", "attack=lira", "attack.eps=2", f"results_dir={tmp_path}")
+    assert_refused(proc, "attack.eps=2 is out of range")
+    assert tmp_path.is_dir() and list(tmp_path.iterdir()) == []
