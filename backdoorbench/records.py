@@ -16,7 +16,7 @@ from backdoorbench.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
 METRIC_KEYS = ("clean_acc", "asr", "ra")
-OPTIONAL_FIELDS = {"victim"}  # added within schema 1; records written before it lack them
+OPTIONAL_FIELDS = {"victim", "artifacts"}  # added within schema 1; records written before them lack them
 
 
 class RecordError(ValueError):
@@ -41,6 +41,8 @@ class RunRecord:
     overrides: list[str] = field(default_factory=list)
     # where the attacked model came from: {"cache": "hit"|"miss"|"off", "key": ..., "train_s": ...}
     victim: dict[str, Any] | None = None
+    # File name (beside the record) of the run's .npz artifacts for figures; absent in older records.
+    artifacts: str | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +106,10 @@ def validate_record(data: Any) -> None:
     for key, value in data["timings_s"].items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise RecordError(f"timings_s.{key} must be a number >= 0, got {value!r}")
+    artifacts = data.get("artifacts")
+    if artifacts is not None and (not isinstance(artifacts, str) or not artifacts.endswith(".npz")
+                                  or Path(artifacts).name != artifacts or artifacts.startswith(".")):
+        raise RecordError(f"artifacts must be null or the name of an .npz file beside the record, got {artifacts!r}")
 
 
 def save_record(record: RunRecord, path: str | Path) -> Path:
@@ -111,6 +117,11 @@ def save_record(record: RunRecord, path: str | Path) -> Path:
     data = record.to_dict()
     validate_record(data)
     return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def artifacts_path(record: RunRecord, record_path: str | Path) -> Path | None:
+    """Where the record's artifacts file lies (beside the record), or None if it has none."""
+    return Path(record_path).with_name(record.artifacts) if record.artifacts else None
 
 
 def load_record(path: str | Path) -> RunRecord:
