@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import backdoorbench
+from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
 from backdoorbench.config import NON_RESULT_KEYS
@@ -248,6 +249,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         stealth, examples = measure_stealth(attack, data, cfg.eval, trainer.device)
     if logger is not None and examples is not None:
         logger.log_images("clean_vs_poisoned", examples)
+    artifacts = example_artifacts(model, examples, trainer) if examples is not None else {}  # figures' data
 
     defended = der = detection = None
     defense_info: dict[str, Any] = {"name": "none"}
@@ -275,6 +277,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         with timed(timings, "defense"):
             outcome = run_defense(defense, ctx, attack, data.test)
         defended, detection = outcome.defended, outcome.detection
+        artifacts.update(outcome.artifacts)
         repaired = outcome.model
         if cfg.eval.pgd.enabled and repaired is not None:
             with timed(timings, "pgd_defended"):
@@ -311,6 +314,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         overrides=list(overrides or []),
     )
     path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
+    record.artifacts = write_beside_record(path, artifacts)  # before the record: it never names a missing file
     save_record(record, path)
     remove_checkpoints(results_dir / "checkpoints" / run_id)  # cache off: kept until the record is safe
     if logger is not None:

@@ -50,3 +50,36 @@ def run_cli(*args: str, cwd: Path | None = None, module: str = "backdoorbench", 
         text=True,
         timeout=timeout,
     )
+
+
+# Real short runs on mnist5k whose records and artifacts the artifact and figure tests read:
+# name -> overrides. No training epoch: the artifacts' shapes and their agreement with the
+# record are what is checked, and an untrained victim shows them as well as a trained one.
+TINY_RUNS = {
+    "fine_pruning": ["trainer.epochs=0", "defense=fine_pruning", "defense.epochs=0", "defense.max_prune_ratio=0.5"],
+    "strip": ["trainer.epochs=0", "defense=strip", "defense.num_superimpose=4"],
+    "neural_cleanse": ["trainer.epochs=0", "defense=neural_cleanse", "defense.epochs=2", "defense.unlearn_epochs=0"],
+    "rate_0.05": ["trainer.epochs=0", "attack.poison_rate=0.05"],
+    "rate_0.1": ["trainer.epochs=0", "attack.poison_rate=0.1"],
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_results(tmp_path_factory):
+    """A results folder made by real short runs (TINY_RUNS): {name: (record, record path)}, folder."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    import backdoorbench.config  # noqa: F401  (registers the schemas)
+    from backdoorbench.pipeline import run
+
+    results = tmp_path_factory.mktemp("tiny_results")
+    runs = {}
+    for name, overrides in TINY_RUNS.items():
+        GlobalHydra.instance().clear()
+        with initialize_config_module(config_module="backdoorbench.conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*overrides, f"results_dir={results}", "logger=none",
+                                                           "trainer.progress=false", "eval.stealth_images=16"])
+        runs[name] = run(cfg)
+    GlobalHydra.instance().clear()
+    return runs, results

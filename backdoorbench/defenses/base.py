@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -42,6 +43,8 @@ class DefenseResult:
     sample_scores: Tensor | None = None  # suspicion per training sample (pre-training detection)
     flagged: Tensor | None = None  # bool per training sample: the pre-training detector's verdict
     extras: dict[str, Any] = field(default_factory=dict)  # numbers the record keeps (floats, ints)
+    # Arrays for figures (per-class anomaly indices, curves, ...), saved beside the record as .npz.
+    artifacts: dict[str, np.ndarray | Tensor] = field(default_factory=dict)
 
 
 class Defense:
@@ -66,6 +69,12 @@ class Defense:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stage": self.stage, "clean_fraction": self.clean_fraction}
 
+    def test_artifacts(self, ctx: DefenseContext, result: DefenseResult,
+                       measure: Callable[[nn.Module], dict[str, float]]) -> dict[str, np.ndarray | Tensor]:
+        """Figure data that needs the test set, which `apply` never sees: the runner calls this
+        after `apply` with `measure(model)` -> CA/ASR/RA on the test set. None by default."""
+        return {}
+
 
 class InputDefense(Defense):
     """An inference-time detector: `apply(ctx)` calibrates it (e.g. a threshold at a chosen false
@@ -77,6 +86,10 @@ class InputDefense(Defense):
     def score_inputs(self, model: nn.Module, x: Tensor) -> Tensor:
         """Suspicion per input, higher = more likely triggered; `x` in [0, 1], (B, C, H, W)."""
         raise NotImplementedError
+
+    def score_artifacts(self, clean_scores: Tensor, poisoned_scores: Tensor) -> dict[str, np.ndarray | Tensor]:
+        """Figure data from the scores of the clean and the triggered test inputs."""
+        return {"input_scores_clean": clean_scores, "input_scores_poisoned": poisoned_scores}
 
 
 def clean_subset_indices(num_samples: int, poisoned: Tensor, fraction: float, generator: torch.Generator) -> Tensor:

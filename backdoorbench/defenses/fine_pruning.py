@@ -5,12 +5,15 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
+
+CURVE_POINTS = 11  # test-set pruning curve for the figure: 0%, 10%, ... of max_prune_ratio (and the chosen k)
 
 
 def require_clean_subset(ctx: DefenseContext, defense: str) -> None:
@@ -231,6 +234,28 @@ class FinePruning(Defense):
         if final_loss is not None:
             extras["final_loss"] = final_loss
         return DefenseResult(model=model, extras=extras)
+
+    def test_artifacts(self, ctx: DefenseContext, result: DefenseResult, measure) -> dict[str, np.ndarray]:
+        """The pruning curve on the test set, for the fine-pruning figure: CA, ASR and RA of the
+        attacked model with its `k` most dormant channels masked, before any fine-tuning, at
+        `CURVE_POINTS` evenly spaced k up to `max_prune_ratio` and at the chosen k. Evaluation only."""
+        order = torch.as_tensor(result.extras["channel_order"], dtype=torch.long)
+        channels, chosen = len(order), int(result.extras["n_pruned"])
+        last = math.floor(self.max_prune_ratio * channels)
+        counts = sorted({round(i * last / (CURVE_POINTS - 1)) for i in range(CURVE_POINTS)} | {chosen})
+        trainer = ctx.trainer
+        model = trainer.prepare(copy.deepcopy(ctx.model))
+        _, layer = conv_stage_outputs(model, to_float(ctx.clean_subset.images[:2].to(trainer.device)))[-1]
+        mask = attach_channel_mask(layer, channels, trainer.device)
+        curve = []
+        for k in counts:
+            mask.fill_(1.0)
+            mask[order[:k].to(mask.device)] = 0.0
+            scores = measure(model)
+            curve.append((scores["clean_acc"], scores["asr"], scores["ra"]))
+        ca, asr, ra = (np.array(column, dtype=np.float64) for column in zip(*curve))
+        return {"fp_pruned_fraction": np.array(counts, dtype=np.float64) / channels, "fp_clean_acc": ca,
+                "fp_asr": asr, "fp_ra": ra, "fp_chosen_fraction": np.float64(chosen / channels)}
 
     def describe(self) -> dict:
         return {**super().describe(), "max_acc_drop": self.max_acc_drop, "max_prune_ratio": self.max_prune_ratio,

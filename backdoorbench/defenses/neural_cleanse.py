@@ -239,8 +239,11 @@ class NeuralCleanse(Defense):
             "n_flagged": len(flagged),
             "unlearned": int(bool(flagged) and self.unlearn_epochs > 0),
         }
+        # per class, for the anomaly-index figure (index of every class, threshold line at 2)
+        artifacts = {"nc_anomaly_index": index.float(), "nc_mask_l1": norms.float(),
+                     "nc_anomaly_threshold": torch.tensor(self.anomaly_threshold)}
         if not extras["unlearned"]:
-            return DefenseResult(model=ctx.model, extras=extras)  # nothing detected: nothing to repair
+            return DefenseResult(model=ctx.model, extras=extras, artifacts=artifacts)  # nothing detected: nothing to repair
 
         stamped = torch.randperm(len(clean), generator=ctx.generator)[: round(self.unlearn_fraction * len(clean))]
         unlearn_images = clean.images.clone()
@@ -253,7 +256,7 @@ class NeuralCleanse(Defense):
                               epochs=self.unlearn_epochs, lr=self.unlearn_lr, desc="nc unlearn")
         extras["n_stamped"] = int(len(stamped))
         extras["final_loss"] = history[-1]["loss"]
-        return DefenseResult(model=model, extras=extras)
+        return DefenseResult(model=model, extras=extras, artifacts=artifacts)
 
     def describe(self) -> dict:
         return {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -10,7 +10,7 @@ from torch import nn
 
 from backdoorbench.attacks.base import Attack
 from backdoorbench.datasets.base import Split, to_float
-from backdoorbench.defenses.base import Defense, DefenseContext, InputDefense
+from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult, InputDefense
 from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.accuracy import evaluate
 from backdoorbench.metrics.detection import auroc, detection_rates
@@ -22,11 +22,22 @@ class DefenseOutcome:
     detection: dict[str, Any] | None  # TPR, FPR, AUROC where the defense detects
     extras: dict[str, Any]
     model: nn.Module | None = None  # the repaired / retrained model, when the defense makes one
+    artifacts: dict[str, Any] = field(default_factory=dict)  # arrays for figures, saved beside the record
 
 
 def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Split) -> DefenseOutcome:
     """Apply `defense` to `ctx` and measure the defended model (or detector) on `test`."""
     result = defense.apply(ctx)
+    outcome = _score(defense, result, ctx, attack, test)
+
+    def measure(model: nn.Module) -> dict[str, float]:
+        return evaluate(model, ctx.trainer, attack, test)
+
+    outcome.artifacts = {**result.artifacts, **outcome.artifacts, **defense.test_artifacts(ctx, result, measure)}
+    return outcome
+
+
+def _score(defense: Defense, result: DefenseResult, ctx: DefenseContext, attack: Attack, test: Split) -> DefenseOutcome:
     extras = dict(result.extras)
     trainer = ctx.trainer
     if defense.stage in ("post_train", "in_train"):
@@ -96,4 +107,4 @@ def _score_input_defense(
         "asr": int(((bad_pred == targets) & bad_ok).sum()) / len(labels),
         "ra": int(((bad_pred == labels) & bad_ok).sum()) / len(labels),
     }
-    return DefenseOutcome(defended, detection, extras)
+    return DefenseOutcome(defended, detection, extras, artifacts=defense.score_artifacts(clean_scores, bad_scores))

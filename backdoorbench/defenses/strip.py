@@ -79,6 +79,11 @@ class Strip(InputDefense):
     def score_inputs(self, model: nn.Module, x: Tensor) -> Tensor:
         return -self.entropy(model, x)
 
+    def score_artifacts(self, clean_scores: Tensor, poisoned_scores: Tensor) -> dict[str, Tensor]:
+        """Entropies (bits) of the clean and the triggered test inputs, for STRIP's histograms."""
+        return {"strip_entropy_clean": -clean_scores, "strip_entropy_poisoned": -poisoned_scores,
+                "strip_entropy_threshold": torch.tensor(-self.threshold)}
+
     @torch.no_grad()
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         clean = ctx.clean_subset
