@@ -9,8 +9,7 @@ an artifacts file can hold numbers only, never code.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from backdoorbench.errors import DataError
+from backdoorbench.fileio import atomic_write_bytes
 
 
 def to_array(name: str, value: Any) -> np.ndarray:
@@ -41,17 +41,9 @@ def save_artifacts(path: str | Path, arrays: Mapping[str, Any]) -> Path:
     if path.suffix != ".npz":
         raise ValueError(f"artifacts go to an .npz file, got {path}")
     converted = {name: to_array(name, value) for name, value in arrays.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez_compressed(handle, **converted)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **converted)
+    atomic_write_bytes(path, buffer.getvalue())
     return path
 
 

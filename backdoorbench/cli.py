@@ -9,6 +9,8 @@ that fails a later check removes the files Hydra wrote for it, so bad input writ
 
 from __future__ import annotations
 
+import itertools
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import suppress
@@ -47,20 +49,55 @@ def split_overrides(argv: list[str]) -> tuple[list[str], bool]:
     return overrides, skip
 
 
+MAX_PRODUCT = 256  # group sweeps: compose every combination up to this many, else each value once
+
+
+def _sum(choices: list[list[str]]) -> Iterator[list[str]]:
+    """Each value of each sweep once, the other sweeps at their first value."""
+    yield [c[0] for c in choices]
+    for i, options in enumerate(choices):
+        for value in options[1:]:
+            yield [c[0] if j != i else value for j, c in enumerate(choices)]
+
+
 def _combinations(overrides: list[str]) -> Iterator[list[str]]:
-    """Each value of each sweep once, the other sweeps at their first value (sum, not product)."""
+    """The combinations of the sweeps to compose: every combination of the config-group sweeps
+    when there are at most MAX_PRODUCT (group choices interact, e.g. a paper setting's
+    attack-specific file), and each value of the other sweeps once (sum, not product)."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     choices: list[list[str]] = []
+    is_group: list[bool] = []
     for override in parsed:
         key = override.get_key_element()
         if override.is_sweep_override():
             choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
         else:
             choices.append([override.input_line])
-    yield [c[0] for c in choices]
+        is_group.append(override.key_or_group in GROUPS and override.package is None)
+    groups = [i for i, g in enumerate(is_group) if g]
+    group_choices = [choices[i] for i in groups]
+    if math.prod(len(c) for c in group_choices) <= MAX_PRODUCT:
+        group_combinations = itertools.product(*group_choices)
+    else:
+        group_combinations = _sum(group_choices)
+    firsts = [c[0] for c in choices]
+    for combination in group_combinations:
+        line = list(firsts)
+        for i, value in zip(groups, combination):
+            line[i] = value
+        yield line
     for i, options in enumerate(choices):
-        for value in options[1:]:
-            yield [c[0] if j != i else value for j, c in enumerate(choices)]
+        if not is_group[i]:
+            for value in options[1:]:
+                yield [c[0] if j != i else value for j, c in enumerate(choices)]
+
+
+def _group_options(loader, group: str) -> list[str]:
+    """Options of `group`, those in its subfolders as `sub/option` (e.g. paper=lira/mnist)."""
+    options = list(loader.get_group_options(group))
+    for sub in loader.list_groups(group):
+        options += [f"{sub}/{option}" for option in _group_options(loader, f"{group}/{sub}")]
+    return options
 
 
 def _check_group_choices(overrides: list[str]) -> None:
@@ -69,7 +106,7 @@ def _check_group_choices(overrides: list[str]) -> None:
         group = override.key_or_group  # e.g. attack, trainer/optimizer, hydra/launcher
         if group.split("/")[0] not in (*GROUPS, "hydra") or override.package is not None or override.is_delete():
             continue
-        valid = sorted(o for o in loader.get_group_options(group) if not o.startswith("_"))
+        valid = sorted(o for o in _group_options(loader, group) if not o.startswith("_"))
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
         for value in values:
             if not isinstance(value, str) or value not in valid:
@@ -88,6 +125,16 @@ def _one_line(exc: BaseException) -> str:
     return "; ".join(parts)
 
 
+def with_preset_sweeps(overrides: list[str]) -> list[str]:
+    """`overrides` plus the sweeps an experiment preset sets in `hydra.sweeper.params` (Hydra's
+    --multirun sweeps them too), except for keys the command line already sets (those win)."""
+    first = next(_combinations(overrides))
+    cfg = compose(config_name="config", overrides=first, return_hydra_config=True)
+    params = cfg.hydra.sweeper.get("params") or {}
+    given = {o.get_key_element().lstrip("+~") for o in OverridesParser.create().parse_overrides(overrides)}
+    return overrides + [f"{key}={value}" for key, value in params.items() if key not in given]
+
+
 def preflight(argv: list[str]) -> None:
     """Compose each distinct value of the command line and validate it; raise ConfigError."""
     from backdoorbench.pipeline import validate_config
@@ -100,6 +147,9 @@ def preflight(argv: list[str]) -> None:
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             _check_group_choices(overrides)
+            if any(arg in ("-m", "--multirun") for arg in argv):
+                overrides = with_preset_sweeps(overrides)
+                _check_group_choices(overrides)
             for combination in _combinations(overrides):
                 cfg = compose(config_name="config", overrides=combination, return_hydra_config=True)
                 new_dirs = missing_dirs(cfg.results_dir)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger")
+GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "paper", "experiment")
 
 
 @dataclass

@@ -18,12 +18,17 @@ def _umask_mode() -> int:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, _umask_mode())

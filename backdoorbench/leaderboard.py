@@ -111,15 +111,20 @@ class Row:
         return len(self.seeds)
 
 
-def load_records(results_dir: Path) -> list[RunRecord]:
-    """Every readable record under `<results_dir>/runs/`; one warning per file that is not."""
+def load_records_with_paths(results_dir: Path) -> list[tuple[RunRecord, Path]]:
+    """Every readable record under `<results_dir>/runs/` with its path; one warning per file that is not."""
     records = []
-    for path in sorted((results_dir / "runs").rglob("*.json")):
+    for path in sorted((Path(results_dir) / "runs").rglob("*.json")):
         try:
-            records.append(load_record(path))
+            records.append((load_record(path), path))
         except RecordError as exc:
             warnings.warn(f"skipping record {exc}", stacklevel=2)
     return records
+
+
+def load_records(results_dir: Path) -> list[RunRecord]:
+    """Every readable record under `<results_dir>/runs/`; one warning per file that is not."""
+    return [record for record, _ in load_records_with_paths(results_dir)]
 
 
 def filter_records(records: list[RunRecord], *, dataset: str | None = None, model: str | None = None,

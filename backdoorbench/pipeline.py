@@ -174,7 +174,20 @@ def measure_stealth(attack: Attack, data: ImageDataset, eval_cfg: DictConfig, de
     clean = data.test.subset(pick.sort().values).float_images()
     poisoned = torch.cat([attack.apply_trigger(chunk.to(device)).cpu() for chunk in clean.split(1024)])
     stealth = stealth_metrics(clean, poisoned, lpips_weights=eval_cfg.lpips_weights, device=device)
-    return stealth, torch.cat([clean[:8], poisoned[:8]])
+    # the examples (logger grid, gallery, GradCAM): one test image of each class but the first target
+    # in turn, in the seeded order, so the poisoned versions can show the backdoor's effect
+    labels = data.test.labels[pick]
+    target = getattr(attack, "target", None)
+    examples, seen = [], set()
+    for position, label in enumerate(labels.tolist()):
+        if label != target and label not in seen:
+            examples.append(position)
+            seen.add(label)
+        if len(examples) == 8:
+            break
+    rank = torch.argsort(pick.sort().indices)  # position in `pick` -> row of the sorted `clean`
+    rows = rank[torch.tensor(examples, dtype=torch.long)] if examples else torch.arange(min(8, count))
+    return stealth, torch.cat([clean[rows], poisoned[rows]])
 
 
 def remove_checkpoints(folder: Path) -> None:

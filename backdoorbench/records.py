@@ -16,7 +16,7 @@ from backdoorbench.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
 METRIC_KEYS = ("clean_acc", "asr", "ra")
-OPTIONAL_FIELDS = ("victim", "artifacts")  # added compatibly within version 1: records without them stay valid
+OPTIONAL_FIELDS = {"victim", "artifacts"}  # added within schema 1; records written before them lack them
 
 
 class RecordError(ValueError):
@@ -76,7 +76,7 @@ def validate_record(data: Any) -> None:
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise RecordError(f"schema_version is {version!r}; this backdoorbench reads version {SCHEMA_VERSION}")
-    required = {f.name for f in fields(RunRecord)} - set(OPTIONAL_FIELDS)
+    required = {f.name for f in fields(RunRecord)} - OPTIONAL_FIELDS
     missing = sorted(required - data.keys())
     if missing:
         raise RecordError(f"missing fields: {', '.join(missing)}")

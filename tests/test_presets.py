@@ -1,0 +1,123 @@
+"""Paper presets (conf/experiment/): each runs for one tiny step per dataset on real-format fixture
+files, preflight expands the sweeps a preset defines, and bad values there are one-line errors."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+
+import backdoorbench
+import backdoorbench.cli as cli
+from backdoorbench.errors import ConfigError
+from backdoorbench.records import load_record
+from tests.conftest import run_cli
+from tests.dataset_files import write_cifar10, write_gtsrb, write_mnist, write_tiny_imagenet
+
+CONF = Path(backdoorbench.__file__).parent / "conf"
+PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# What keeps a run of the preset's attacks tiny; only the keys each attack has.
+TINY_ATTACK = {"lira": ["attack.stage1_epochs=1", "attack.generator_width=4"],
+               "wb": ["attack.stage1_epochs=1", "attack.generator_width=4"],
+               "input_aware": ["attack.mask_epochs=1", "attack.channels=4"]}
+# ResNets at width 8 (64 is the real one): a CPU runs ResNet-18 on 64 px images slowly even for 200 of them.
+TINY_MODEL = {"lira/gtsrb": ["model.width=8"], "lira/tiny_imagenet": ["model.width=8"]}
+TINY = ["trainer.epochs=1", "trainer.batch_size=64", "trainer.progress=false", "eval.stealth_images=4", "logger=none"]
+
+
+def sweep_params(name):
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="backdoorbench.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    return {key: str(value).split(",") for key, value in cfg.hydra.sweeper.params.items()}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_mnist(root)
+    write_cifar10(root)
+    write_gtsrb(root)
+    write_tiny_imagenet(root)
+    return root
+
+
+def test_there_are_paper_presets():
+    assert {"lira_iccv21", "wb_neurips21"} <= set(PRESETS)
+    for name in PRESETS:
+        text = (CONF / "experiment" / f"{name}.yaml").read_text()
+        assert text.startswith("# @package _global_") and "python -m backdoorbench --multirun experiment=" in text
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_runs_one_tiny_step_per_dataset(name, data_root, tmp_path, compose_cfg):
+    from backdoorbench.pipeline import run
+
+    params = sweep_params(name)
+    papers, attacks, modes = params["paper"], params["attack"], params["attack.target_mode"]
+    assert len(papers) == 4 and modes == ["all2one", "all2all"]
+    # every attack once and every dataset at least once, the target modes alternating
+    for i in range(max(len(papers), len(attacks))):
+        paper, attack, mode = papers[i % len(papers)], attacks[i % len(attacks)], modes[i % 2]
+        extra = ["dataset.verify_md5=false"] if paper.endswith("cifar10") else []
+        cfg = compose_cfg(f"experiment={name}", f"paper={paper}", f"attack={attack}", f"attack.target_mode={mode}",
+                          f"dataset.root={data_root}", f"results_dir={tmp_path}", *TINY, *TINY_ATTACK.get(attack, []), *TINY_MODEL.get(paper, []), *extra)
+        record, path = run(cfg)
+        assert load_record(path).attack["name"] == attack and record.attack["target_mode"] == mode
+        assert record.dataset["name"] == paper.split("/")[1]
+        # the paper setting's schedule is what ran, minus what the command line replaced
+        assert record.config["trainer"]["schedule"] == "multistep" and record.config["trainer"]["epochs"] == 1
+        assert record.config["trainer"]["optimizer"]["lr"] == 0.01
+
+
+def test_paper_settings_carry_the_released_values(compose_cfg):
+    cfg = compose_cfg("paper=lira/cifar10", "attack=lira")
+    assert cfg.model._target_.endswith("VGG11") and cfg.trainer.epochs == 250 and cfg.attack.stage1_epochs == 50
+    cfg = compose_cfg("paper=lira/mnist", "attack=wb")  # WB takes LIRA's values (no released code)
+    assert cfg.model._target_.endswith("MnistCNN") and cfg.trainer.epochs == 50
+    assert (cfg.attack.stage1_epochs, cfg.attack.eps, cfg.attack.test_eps) == (10, 0.05, 0.005)
+    assert compose_cfg("paper=lira/gtsrb", "attack=input_aware").attack.mask_epochs == 25
+    assert compose_cfg("paper=lira/cifar10", "model=preact_resnet18").model._target_.endswith("PreActResNet18")  # CLI wins
+    assert "stage1_epochs" not in compose_cfg("paper=lira/cifar10", "attack=badnets").attack
+
+
+def test_the_multirun_sweeps_the_preset_and_the_command_line_replaces_its_keys(data_root, tmp_path):
+    proc = run_cli("--multirun", "experiment=lira_iccv21", "paper=lira/mnist", "attack=badnets", f"dataset.root={data_root}",
+                   f"results_dir={tmp_path}", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    records = [load_record(p) for p in sorted((tmp_path / "runs").rglob("*.json"))]
+    # paper and attack were given: only the preset's target-mode sweep is left, two runs
+    assert sorted(r.attack["target_mode"] for r in records) == ["all2all", "all2one"]
+    assert {r.dataset["name"] for r in records} == {"mnist"} and {r.attack["name"] for r in records} == {"badnets"}
+
+
+@pytest.fixture
+def conf_with(tmp_path, monkeypatch):
+    """conf_with(name, yaml): a copy of the config tree with one more preset, used by preflight."""
+    def add(name, text):
+        package = tmp_path / "bbconf_presets"
+        if not package.exists():
+            shutil.copytree(CONF, package)
+            monkeypatch.syspath_prepend(str(tmp_path))
+            monkeypatch.setattr(cli, "CONFIG_MODULE", "bbconf_presets")
+        (package / "experiment" / f"{name}.yaml").write_text(text)
+    yield add
+    sys.modules.pop("bbconf_presets", None)
+
+
+def test_preflight_expands_a_presets_sweeps_and_reports_bad_values(conf_with):
+    header = "# @package _global_\nhydra:\n  sweeper:\n    params:\n"
+    conf_with("bad_attack", header + "      attack: badnets,nope\n")
+    conf_with("bad_rate", header + "      attack.poison_rate: 0.1,1.5\n")
+    conf_with("bad_paper", header + "      paper: lira/mnist,lira/svhn\n")
+    with pytest.raises(ConfigError, match="^unknown attack 'nope'; choose one of: badnets, "):
+        cli.preflight(["--multirun", "experiment=bad_attack"])
+    with pytest.raises(ConfigError, match=r"^attack.poison_rate=1.5 is out of range"):
+        cli.preflight(["--multirun", "experiment=bad_rate"])
+    with pytest.raises(ConfigError, match="^unknown paper 'lira/svhn'; choose one of: lira/cifar10, lira/gtsrb, lira/mnist"):
+        cli.preflight(["--multirun", "experiment=bad_paper"])
+    cli.preflight(["--multirun", "experiment=bad_rate", "attack.poison_rate=0.2"])  # the command line replaces the sweep
+    cli.preflight(["experiment=bad_rate"])  # without --multirun Hydra ignores the sweep, and so does preflight
