@@ -352,3 +352,18 @@ def test_config_file_instantiates_the_attack(kind):
     assert isinstance(attack.trigger_net, MnistAutoencoder)
     x = torch.rand(2, 1, 28, 28)
     assert (attack.apply_trigger(x) - x).abs().max() <= attack.test_eps + 1e-6
+
+
+def test_wb_directions_come_from_the_last_linear_of_any_head():
+    # the angular-margin defense retrains a WB victim with a BN -> tanh -> Linear head
+    from backdoorbench.attacks.wb import classifier_directions
+    from backdoorbench.defenses.angular_margin import SimplexHead
+    from backdoorbench.models.mnist_cnn import MnistCNN
+
+    for kwargs in ({}, {"head": SimplexHead}):
+        model = MnistCNN(in_channels=1, num_classes=10, image_size=28, **kwargs)
+        directions = classifier_directions(model)
+        linear = model.classifier if not kwargs else model.classifier.linear
+        assert directions.shape == linear.weight.shape
+        assert torch.allclose(directions.norm(dim=1), torch.ones(10))
+        assert torch.allclose(directions * linear.weight.norm(dim=1, keepdim=True), linear.weight.detach())

@@ -41,8 +41,16 @@ def sliced_wasserstein(a: Tensor, b: Tensor, directions: Tensor, p: float = 2.0)
 
 
 def classifier_directions(model: nn.Module) -> Tensor:
-    """The rows w_c / ||w_c|| of the last linear layer (detached: slicing directions, not variables)."""
-    return F.normalize(model.classifier.weight.detach().float(), dim=1)
+    """The rows w_c / ||w_c|| of the last linear layer (detached: slicing directions, not variables).
+
+    `model.classifier` is a Linear, or a head holding one (e.g. the angular-margin defense's
+    BN -> tanh -> Linear head, when that defense retrains a model the WB way): its last Linear is used.
+    """
+    head = model.classifier
+    linears = [head] if isinstance(head, nn.Linear) else [m for m in head.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise TypeError(f"wb needs a linear last layer in model.classifier, got {type(head).__name__}")
+    return F.normalize(linears[-1].weight.detach().float(), dim=1)
 
 
 class WB(LIRA):
