@@ -177,7 +177,9 @@ class Trainer:
         self.device = resolve_device(device) if isinstance(device, str) else device
         on_cuda = self.device.type == "cuda"
         self.amp = amp and on_cuda  # bf16 autocast only where it pays off
-        self.memory_format = torch.channels_last if channels_last and on_cuda else torch.contiguous_format
+        # channels_last on the CPU too: oneDNN's convolutions and max-pooling are faster in it
+        # (mnist_cnn trains ~20% faster per step, preact_resnet18 ~9%; benchmarks/engine.py).
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         # Allowed on the CPU too (inductor needs a C++ compiler there), but only asked for on CUDA.
         self.compile = bool(compile)
         self.progress = progress
