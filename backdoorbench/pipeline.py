@@ -343,8 +343,13 @@ def summary_table(record: RunRecord, path: Path) -> str:
         lines.append(f"DER {record.metrics['der']:.4f}")
     attack = record.attack
     target = f" target {attack['target']}" if attack["target"] is not None else ""
+    # Data-poisoning attacks rewrite at least one training sample (a rate that poisons none is an
+    # error); training-controlled ones (WaNet, IAD, LIRA, WB) rewrite none and poison a share of
+    # each batch; attack=none has rate 0.
+    per_batch = attack["n_poisoned"] == 0 and attack["poison_rate"] > 0
+    share = "of each batch" if per_batch else f"({attack['n_poisoned']} samples)"
     lines.insert(0, f"{attack['name']} {attack['target_mode']}{target}, poison rate {attack['poison_rate']} "
-                    f"({attack['n_poisoned']} samples) on {record.dataset['name']} / {record.model['name']}, seed {record.seed}")
+                    f"{share} on {record.dataset['name']} / {record.model['name']}, seed {record.seed}")
     victim = record.victim or {}
     if victim.get("cache") == "hit":
         trained = f"victim from the cache, trained before in {victim['train_s']:.1f} s"
