@@ -19,6 +19,7 @@ load average before and after, and the thread counts.
     python benchmarks/engine.py --model mnist_cnn --data mnist5k --repeats 7 --threads 2
     python benchmarks/engine.py --model preact_resnet18 --data cifar-shaped --size 512 --repeats 3 --threads 1
     python benchmarks/engine.py --input-only --repeats 7 --threads 1    # the input path alone, no model
+    python benchmarks/engine.py --profile --threads 1    # where the model's step time goes, by operator
 
 A figure-printing script, not a test. It runs unchanged on a GPU (device auto = CUDA if present).
 """
@@ -147,6 +148,48 @@ def input_epoch_baseline(loader, device) -> None:
     total.item()
 
 
+# torch.profiler operator names -> what they are, for the --profile table (self time, CPU or CUDA)
+CATEGORIES = (
+    ("convolution backward", ("convolution_backward",)),
+    ("convolution forward", ("convolution", "conv2d")),
+    ("batch norm", ("batch_norm",)),
+    ("relu (forward, backward)", ("clamp_min", "threshold_backward", "relu")),
+    ("max/avg pooling", ("pool",)),
+    ("linear (mm, addmm)", ("aten::mm", "aten::addmm", "aten::bmm")),
+    ("dropout", ("bernoulli", "dropout")),
+    ("zeroing (fill_, zero_)", ("fill_", "zero_")),
+    ("loss", ("log_softmax", "nll_loss")),
+    ("elementwise (optimizer, grads, normalization)", ("add", "mul", "sub", "div", "foreach", "lerp", "sqrt")),
+)
+
+
+def profile_compute(run: Callable[[], None], device: torch.device) -> None:
+    """Self time per operator category of one compute epoch (the model's steps alone)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+    events = prof.key_averages()
+    cuda = device.type == "cuda"
+    totals: dict[str, float] = {}
+    optimizer_us = 0.0
+    for event in events:
+        if event.key.startswith("Optimizer.step"):
+            optimizer_us += event.cpu_time_total
+        if event.key.startswith(("Optimizer.", "ProfilerStep", "autograd::engine")):
+            continue
+        us = getattr(event, "self_device_time_total" if cuda else "self_cpu_time_total", 0.0)
+        name = next((c for c, keys in CATEGORIES if any(k in event.key for k in keys)), "other")
+        totals[name] = totals.get(name, 0.0) + us
+    whole = sum(totals.values())
+    print(f"profile of one compute epoch ({'CUDA kernel' if cuda else 'CPU'} self time, {whole / 1e3:.0f} ms):")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<46} {us / 1e3:9.1f} ms  {us / whole:6.1%}")
+    if not cuda:
+        print(f"  (the optimizer's step, all its operators together: {optimizer_us / 1e3:.1f} ms, {optimizer_us / whole:.1%})")
+
+
 def interleaved(arms: dict[str, Callable[[], None]], warmups: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
     """Seconds of each arm per round: one warm-up round, then `repeats` rounds, the order rotated
     every round so that no arm always runs right after the same neighbour."""
@@ -194,6 +237,7 @@ def main() -> None:
                         help="memory format of every arm: the trainer's default (auto), or forced")
     parser.add_argument("--input-only", action="store_true",
                         help="time only the input path (shuffle, crop/flip, to float; the DataLoader), no model")
+    parser.add_argument("--profile", action="store_true", help="also profile one compute epoch by operator")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of this process (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -277,6 +321,8 @@ def main() -> None:
         if name != "compute":
             print(f"share of {name}'s epoch in the model's forward/backward/SGD: {compute / statistics.median(values):.0%}")
     print("load average after: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    if args.profile:
+        profile_compute(arms["compute"], device)
 
 
 if __name__ == "__main__":
