@@ -212,7 +212,7 @@ class Trainer:
         self.augment = augment
         self.crop_padding = crop_padding
         self.hflip = hflip
-        self.device = resolve_device(device) if isinstance(device, str) else device
+        self.device = resolve_device(device) if isinstance(device, str) else distributed.local_device(device)
         on_cuda = self.device.type == "cuda"
         self.amp = amp and on_cuda  # bf16 autocast only where it pays off
         # channels_last on the CPU too: oneDNN's convolutions and max-pooling are faster in it
