@@ -7,7 +7,8 @@ with RandomCrop(padding), RandomHorizontalFlip (where the data allows it), ToTen
 and a shuffling DataLoader, once with `--workers` 0 and once with 2 (persistent, so worker start-up
 is not counted against it). Both sides train copies of the same initial weights with the same SGD,
 batch size and the trainer's memory format and autocast, so the ratio measures the input path and
-the loop. A third arm, `compute`, runs the same number of forward/backward/SGD steps on one
+the loop (`--baseline-format contiguous` leaves the baselines in NCHW, as most scripts do, so the
+ratio also holds what channels_last buys our trainer). A third arm, `compute`, runs the same number of forward/backward/SGD steps on one
 batch that is already on the device: the model's own cost, which neither side can go below.
 
 On a shared machine one epoch's time swings with the load, so the arms run interleaved (a warm-up
@@ -17,6 +18,7 @@ load average before and after, and the thread counts.
 
     python benchmarks/engine.py --model mnist_cnn --data mnist5k --repeats 7 --threads 1
     python benchmarks/engine.py --model mnist_cnn --data mnist5k --repeats 7 --threads 2
+    python benchmarks/engine.py --model mnist_cnn --data mnist5k --repeats 7 --threads 1 --baseline-format contiguous
     python benchmarks/engine.py --model preact_resnet18 --data cifar-shaped --size 512 --repeats 3 --threads 1
     python benchmarks/engine.py --input-only --repeats 7 --threads 1    # the input path alone, no model
     python benchmarks/engine.py --profile --threads 1    # where the model's step time goes, by operator
@@ -53,6 +55,10 @@ from backdoorbench.train import Trainer, apply_augmentation, batch_bounds, draw_
 CONF = Path(backdoorbench.__file__).parent / "conf"
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+def format_name(memory_format: torch.memory_format) -> str:
+    return "channels_last" if memory_format == torch.channels_last else "contiguous"
 
 
 def load_data(name: str, size: int, seed: int) -> ImageDataset:
@@ -235,6 +241,9 @@ def main() -> None:
     parser.add_argument("--no-amp", action="store_true", help="fp32 on CUDA too, both sides")
     parser.add_argument("--channels-last", choices=["auto", "on", "off"], default="auto",
                         help="memory format of every arm: the trainer's default (auto), or forced")
+    parser.add_argument("--baseline-format", choices=["same", "contiguous"], default="same",
+                        help="the baselines' memory format: ours (same, the fair default) or plain NCHW, as most "
+                             "training scripts leave it")
     parser.add_argument("--input-only", action="store_true",
                         help="time only the input path (shuffle, crop/flip, to float; the DataLoader), no model")
     parser.add_argument("--profile", action="store_true", help="also profile one compute epoch by operator")
@@ -259,6 +268,7 @@ def main() -> None:
     if args.channels_last == "on":
         trainer.memory_format = torch.channels_last
     memory_format, use_amp = trainer.memory_format, trainer.amp
+    baseline_format = memory_format if args.baseline_format == "same" else torch.contiguous_format
 
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     print(f"device {device}{gpu}; torch {torch.__version__}, torchvision {torchvision.__version__}, "
@@ -267,7 +277,7 @@ def main() -> None:
     print("load average before: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"model {args.model} ({sum(p.numel() for p in initial.parameters()):,} parameters), data {args.data}: "
           f"{n} images {tuple(data.image_shape)}, crop padding {data.crop_padding}, hflip {data.hflip}; "
-          f"batch {args.batch_size}; memory format {'channels_last' if memory_format == torch.channels_last else 'contiguous'}, "
+          f"batch {args.batch_size}; memory format {format_name(memory_format)} (baselines: {format_name(baseline_format)}), "
           f"bf16 autocast {use_amp} (all arms); repeats {args.repeats}")
 
     steps = [transforms.RandomCrop(data.image_shape[1], padding=data.crop_padding)]
@@ -299,9 +309,9 @@ def main() -> None:
 
     # baselines: each DataLoader trains its own copy (normalization is in the transforms)
     for w, loader in loaders.items():
-        net = copy.deepcopy(initial).to(device, memory_format=memory_format)
+        net = copy.deepcopy(initial).to(device, memory_format=baseline_format)
         sgd = optimizer(net.parameters())
-        run = partial(baseline_epoch, net, loader, sgd, device, use_amp, memory_format)
+        run = partial(baseline_epoch, net, loader, sgd, device, use_amp, baseline_format)
         arms[f"baseline workers={w}"] = run
         warmups[f"baseline workers={w}"] = partial(run, max_steps=warm_steps)
 
