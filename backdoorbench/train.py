@@ -14,7 +14,8 @@ seeded permutation and augmentation, takes its own contiguous share of each batc
 by at most one), and runs the step inside a DistributedDataParallel module, which averages the
 gradients; the loss is weighted by the share's size, so the averaged gradient is that of the
 whole batch's mean loss. What differs from one process: batch norm sees each process's share
-only (no SyncBatchNorm), dropout masks are drawn per share, and sums run in another order.
+only (no SyncBatchNorm), dropout masks are drawn per share (every process from the same global
+seed), and sums run in another order.
 """
 
 from __future__ import annotations
