@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import sys
+import tempfile
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from backdoorbench import distributed
 from backdoorbench.cli import discard_job_outputs, fail, preflight
 from backdoorbench.errors import UserError
 
@@ -21,7 +25,8 @@ def app(cfg: DictConfig) -> None:
     except UserError as exc:
         discard_job_outputs(cfg.results_dir)
         fail(exc)
-    print(summary_table(record, path), flush=True)
+    if path is not None:  # rank 0 of a torchrun, or the only process
+        print(summary_table(record, path), flush=True)
 
 
 def main() -> None:
@@ -29,6 +34,12 @@ def main() -> None:
         preflight(sys.argv[1:])
     except UserError as exc:
         fail(exc)
+    if distributed.rank() > 0:
+        # Other ranks of a torchrun write nothing: Hydra's run folder goes to a temp folder that is
+        # removed at exit, without its .hydra/ files or a log file (their log goes to stdout).
+        scratch = tempfile.mkdtemp(prefix="backdoorbench-rank")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        sys.argv += [f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
     app()
 
 

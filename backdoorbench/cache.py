@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 import backdoorbench
+from backdoorbench import distributed
 from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.datasets.base import Split
 from backdoorbench.fileio import atomic_torch_save
@@ -56,6 +57,8 @@ def victim_key_material(config: dict[str, Any], device: torch.device) -> dict[st
         if isinstance(node, dict):
             node.pop(leaf, None)
     material["device_type"] = torch.device(device).type
+    if distributed.world_size() > 1:  # a torchrun victim (batch norm per process) is another victim
+        material["world_size"] = distributed.world_size()
     material["cache_version"] = CACHE_VERSION
     material["backdoorbench"] = backdoorbench.__version__
     material["torch"] = torch.__version__

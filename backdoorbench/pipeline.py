@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import backdoorbench
+from backdoorbench import distributed
 from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
@@ -124,6 +125,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         **dict(git_commit()),
         "device": name,
         "torch_threads": torch.get_num_threads(),
+        "world_size": distributed.world_size(),  # processes of a torchrun (DDP) run, else 1
         "platform": platform.platform(),
         "command": " ".join([_program(), *sys.argv[1:]]),
     }
@@ -206,12 +208,17 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
     key = victim_key(config, trainer.device)
     cache = VictimCache(Path(cfg.cache_dir).expanduser() if cfg.cache_dir else results_dir / "cache" / "victims", key) \
         if cfg.cache else None
-    with cache.locked() if cache is not None else nullcontext():
+    # Under torchrun the run's processes are one user of the cache: rank 0 alone locks, looks and
+    # writes; the others read the entry only once rank 0 found it (a lock per process would
+    # deadlock them against the training's collectives).
+    with cache.locked() if cache is not None and distributed.is_main() else nullcontext():
         if cache is not None:
             rng = torch.get_rng_state()
             model = build_model(cfg, data)
             started = time.perf_counter()
-            hit = cache.load(model, attack, data.train)
+            hit = cache.load(model, attack, data.train) if distributed.is_main() else None
+            if distributed.rank_0_says(hit is not None) and hit is None:
+                hit = cache.load(model, attack, data.train)
             if hit is not None:
                 timings["victim_cache_load"] = round(time.perf_counter() - started, 4)
                 timings["poison"] = timings["train"] = 0.0
@@ -232,14 +239,16 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
                 attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
         if cache is None:
             return {"cache": "off", "key": key}, poisoned, model
-        cache.save(model, attack, data.train, poisoned, train_s=timings["train"], poison_s=timings["poison"])
-        remove_checkpoints(checkpoints)
+        if distributed.is_main():
+            cache.save(model, attack, data.train, poisoned, train_s=timings["train"], poison_s=timings["poison"])
+            remove_checkpoints(checkpoints)
         return ({"cache": "miss", "key": key, "path": str(cache.path), "train_s": timings["train"],
                  "poison_s": timings["poison"]}, poisoned, model)
 
 
-def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord, Path]:
-    """Run one resolved config end to end; return the record and the path it was written to."""
+def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord, Path | None]:
+    """Run one resolved config end to end; return the record and the path it was written to.
+    Under torchrun every process runs it, and only rank 0 writes (the others get path None)."""
     validate_config(cfg)
     git_commit()  # read now: the commit this process's code came from, even if HEAD moves later
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -250,7 +259,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     timings: dict[str, float] = {}
     started = time.perf_counter()
     torch.manual_seed(seed)
-    logger = build(cfg.logger) if cfg.logger is not None else None
+    logger = build(cfg.logger) if cfg.logger is not None and distributed.is_main() else None
     if logger is not None:
         logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
 
@@ -337,6 +346,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         config=config,
         overrides=list(overrides or []),
     )
+    if not distributed.is_main():
+        return record, None
     path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
     record.artifacts = write_beside_record(path, artifacts)  # before the record: it never names a missing file
     save_record(record, path)
@@ -360,8 +371,13 @@ def summary_table(record: RunRecord, path: Path) -> str:
         lines.append(f"DER {record.metrics['der']:.4f}")
     attack = record.attack
     target = f" target {attack['target']}" if attack["target"] is not None else ""
+    # Data-poisoning attacks rewrite at least one training sample (a rate that poisons none is an
+    # error); training-controlled ones (WaNet, IAD, LIRA, WB) rewrite none and poison a share of
+    # each batch; attack=none has rate 0.
+    per_batch = attack["n_poisoned"] == 0 and attack["poison_rate"] > 0
+    share = "of each batch" if per_batch else f"({attack['n_poisoned']} samples)"
     lines.insert(0, f"{attack['name']} {attack['target_mode']}{target}, poison rate {attack['poison_rate']} "
-                    f"({attack['n_poisoned']} samples) on {record.dataset['name']} / {record.model['name']}, seed {record.seed}")
+                    f"{share} on {record.dataset['name']} / {record.model['name']}, seed {record.seed}")
     victim = record.victim or {}
     if victim.get("cache") == "hit":
         trained = f"victim from the cache, trained before in {victim['train_s']:.1f} s"

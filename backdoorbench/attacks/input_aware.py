@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import distributed
 from backdoorbench.attacks.base import StepWrapper, TrainingAttack
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError
@@ -357,6 +358,8 @@ class InputAware(TrainingAttack):
         lr = self.generator_lr * self.lr_gamma ** sum(progress >= m for m in self.generator_milestones)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
+        # Under torchrun each process saw its own share of the batch: average, as DDP does for f.
+        distributed.average_gradients(self.pattern_generator.parameters())
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._pending_update = False
@@ -384,6 +387,7 @@ class InputAware(TrainingAttack):
         self._nets_to(trainer.device)
         super().train_victim(trainer, model, train, generator, wrap_step=wrap_step)
         self._update_generator()  # the last batch's gradient
+        distributed.broadcast_state(self.pattern_generator)  # under torchrun: rank 0's batch-norm statistics
         self.pattern_generator.eval()
         self._optimizer = None
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from backdoorbench import distributed
 from backdoorbench.attacks.base import StepFn, StepWrapper, TrainingAttack
 from backdoorbench.attacks.trigger_nets import build_trigger_generator
 from backdoorbench.datasets.base import Split
@@ -214,6 +215,7 @@ class LIRA(TrainingAttack):
         # autograd.grad, not backward: the classifier's .grad stays the trainer's business.
         for p, g in zip(params, torch.autograd.grad(loss, params)):
             p.grad = g
+        distributed.average_gradients(params)  # under torchrun: over every process's share of the batch
         self._optimizer.step()
         with torch.no_grad():
             for buffer, value in zip(model.buffers(), saved):
@@ -262,6 +264,7 @@ class LIRA(TrainingAttack):
             self.begin_stage1(trainer)
             trainer.fit(model, train, generator=generator, epochs=self.stage1_epochs,
                         step=wrap(self.stage1_step), desc=f"{self.name} stage I")
+            distributed.broadcast_state(self.trigger_net)  # under torchrun: rank 0's batch-norm statistics
             self.freeze()
         self.trigger_net.to(trainer.device)
         step: StepFn = wrap(self.stage2_step)

