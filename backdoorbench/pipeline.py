@@ -187,6 +187,11 @@ def measure_stealth(attack: Attack, data: ImageDataset, eval_cfg: DictConfig, de
             seen.add(label)
         if len(examples) == 8:
             break
+    for position in range(len(labels)):  # too few classes among the picks: fill up to 8 in order
+        if len(examples) >= min(8, count):
+            break
+        if position not in examples:
+            examples.append(position)
     rank = torch.argsort(pick.sort().indices)  # position in `pick` -> row of the sorted `clean`
     rows = rank[torch.tensor(examples, dtype=torch.long)] if examples else torch.arange(min(8, count))
     return stealth, torch.cat([clean[rows], poisoned[rows]])
