@@ -77,6 +77,7 @@ class CachedVictim:
     poisoned: PoisonedData
     train_s: float
     poison_s: float
+    trained_by: dict[str, Any] | None = None  # git commit / dirty flag of the code that trained it
 
 
 def _attack_generators(attack: Attack) -> dict[str, torch.Generator]:
@@ -143,10 +144,12 @@ class VictimCache:
             reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             log.warning("victim cache: entry %s is unusable (%s: %s); retraining it", self.path, type(exc).__name__, reason)
             return None
-        return CachedVictim(poisoned=poisoned, train_s=float(entry["train_s"]), poison_s=float(entry["poison_s"]))
+        trained_by = json.loads(entry["trained_by"]) if isinstance(entry.get("trained_by"), str) else None
+        return CachedVictim(poisoned=poisoned, train_s=float(entry["train_s"]), poison_s=float(entry["poison_s"]),
+                            trained_by=trained_by)
 
     def save(self, model: nn.Module, attack: Attack, train: Split, poisoned: PoisonedData,
-             train_s: float, poison_s: float) -> None:
+             train_s: float, poison_s: float, trained_by: dict[str, Any] | None = None) -> None:
         changed = _changed_rows(train, poisoned)
         entry = {
             "format": ENTRY_FORMAT,
@@ -165,6 +168,7 @@ class VictimCache:
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
             "train_s": float(train_s),
+            "trained_by": json.dumps(trained_by),
             "poison_s": float(poison_s),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

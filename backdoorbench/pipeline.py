@@ -229,7 +229,7 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
                 timings["poison"] = timings["train"] = 0.0
                 log.info("victim %s from the cache (%s); it took %.1f s to train", key, cache.path, hit.train_s)
                 return ({"cache": "hit", "key": key, "path": str(cache.path), "train_s": hit.train_s,
-                         "poison_s": hit.poison_s}, hit.poisoned, model)
+                         "poison_s": hit.poison_s, "trained_by": hit.trained_by}, hit.poisoned, model)
             torch.set_rng_state(rng)  # a miss draws exactly what a run without the cache draws
         with timed(timings, "poison"):
             attack.prepare(trainer=trainer, train=data.train, generator=stream(seed, "attack"),
@@ -245,7 +245,8 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
         if cache is None:
             return {"cache": "off", "key": key}, poisoned, model
         if distributed.is_main():
-            cache.save(model, attack, data.train, poisoned, train_s=timings["train"], poison_s=timings["poison"])
+            cache.save(model, attack, data.train, poisoned, train_s=timings["train"], poison_s=timings["poison"],
+                       trained_by=dict(git_commit()))
             remove_checkpoints(checkpoints)
         return ({"cache": "miss", "key": key, "path": str(cache.path), "train_s": timings["train"],
                  "poison_s": timings["poison"]}, poisoned, model)

@@ -44,6 +44,8 @@ def test_a_cached_victim_gives_the_record_of_the_run_that_trained_it(tmp_path, c
     assert off.victim["cache"] == "off" and miss.victim["cache"] == "miss" and hit.victim["cache"] == "hit"
     assert _comparable(off) == _comparable(miss) == _comparable(hit)
     assert hit.victim["key"] == miss.victim["key"] and hit.victim["train_s"] == miss.victim["train_s"]
+    # a hit names the code that trained its victim, which may be older than the code that loads it
+    assert hit.victim["trained_by"] == {k: miss.env[k] for k in ("git_commit", "git_dirty")}
     assert hit.timings_s["train"] == 0.0 and "victim_cache_load" in hit.timings_s
     assert prepared == []  # the attack's prepare step (surrogates, pre-training) is not rerun on a hit
     assert json.loads(path.read_text())["victim"]["cache"] == "hit"
