@@ -110,6 +110,13 @@ class Row:
     def n(self) -> int:
         return len(self.seeds)
 
+    @property
+    def training(self) -> str:
+        """The victim's training budget, e.g. `10 ep` or `30 ep, no aug`: rows of one table may differ in it."""
+        trainer = self.config.get("trainer") or {}
+        text = f"{trainer.get('epochs', '?')} ep"
+        return text if trainer.get("augment", True) else text + ", no aug"
+
 
 def load_records_with_paths(results_dir: Path) -> list[tuple[RunRecord, Path]]:
     """Every readable record under `<results_dir>/runs/` with its path; one warning per file that is not."""
@@ -239,12 +246,12 @@ def cell_text(cell: Cell | None, column: Column, row_n: int) -> str:
 
 
 def _key_columns(table: str) -> list[str]:
-    keys = ["model", "attack", "mode", "setting", "n"]
+    keys = ["model", "attack", "mode", "training", "setting", "n"]
     return (["defense"] + keys) if table == "defenses" else keys
 
 
 def _key_values(row: Row) -> list[str]:
-    values = [row.model, row.attack, row.target_mode, row.label or "–", str(row.n)]
+    values = [row.model, row.attack, row.target_mode, row.training, row.label or "–", str(row.n)]
     return ([row.defense] + values) if row.table == "defenses" else values
 
 
@@ -294,12 +301,12 @@ def to_csv(rows: list[Row], table: str) -> str:
     columns = dict((t, c) for t, _, c in TABLES)[table]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    keys = ["dataset"] + (["defense"] if table == "defenses" else []) + ["model", "attack", "target_mode", "setting",
-                                                                        "n", "seeds", "group_id"]
+    keys = ["dataset"] + (["defense"] if table == "defenses" else []) + ["model", "attack", "target_mode", "training",
+                                                                        "setting", "n", "seeds", "group_id"]
     writer.writerow(keys + [f"{c.key}_{part}" for c in columns for part in ("mean", "std", "n")])
     for row in (r for r in rows if r.table == table):
         values = {"dataset": row.dataset, "defense": row.defense, "model": row.model, "attack": row.attack,
-                  "target_mode": row.target_mode, "setting": row.label, "n": row.n,
+                  "target_mode": row.target_mode, "training": row.training, "setting": row.label, "n": row.n,
                   "seeds": " ".join(map(str, row.seeds)), "group_id": row.group_id}
         out = [values[k] for k in keys]
         for c in columns:

@@ -77,6 +77,7 @@ def test_attack_and_defense_tables_are_means_over_seeds(tmp_path):
     # Different settings of one attack are different rows, labelled by what differs.
     assert default["setting"] == "epochs=10"
     short = next(r for r in attacks if r["group_id"] == "ge")
+    assert default["training"] == "10 ep" and short["training"] == "1 ep"  # the budget is visible on every row
     assert short["setting"] == "epochs=1" and short["n"] == "2" and short["lpips_n"] == "0" and short["lpips_mean"] == ""
     defenses = read_csv(files.csv["defenses"])
     ft = next(r for r in defenses if r["defense"] == "fine_tuning")
@@ -93,7 +94,7 @@ def test_attack_and_defense_tables_are_means_over_seeds(tmp_path):
     assert "| 96.00 ± 1.00 |" in lines["ga"] and "†" not in lines["ga"]  # n = 3: no flag
     assert "| 22.00 ± 1.00 |" in lines["ga"]
     assert "†" in lines["ge"] and "| epochs=1 | 2 |" in lines["ge"]  # n = 2: flagged
-    assert "| strip | mnist_cnn | badnets | all2one(0) | – | 1 |" in lines["gs"] and "0.970 †" in lines["gs"]
+    assert "| strip | mnist_cnn | badnets | all2one(0) | 10 ep | – | 1 |" in lines["gs"] and "0.970 †" in lines["gs"]
     assert "† fewer than 3 seeds" in text
 
 
