@@ -56,6 +56,6 @@ def test_leaderboard_module_runs_on_app_output(tmp_path):
     proc = run_cli(f"results_dir={tmp_path}", module="backdoorbench.leaderboard")
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "leaderboard" / "leaderboard.md").read_text()
-    assert "## mnist5k" in text and "| mnist_cnn | badnets | all2one(0) | – | 1 |" in text
+    assert "## mnist5k" in text and "| mnist_cnn | badnets | all2one(0) | 0 ep | – | 1 |" in text
     assert (tmp_path / "leaderboard" / "leaderboard.html").is_file() and (tmp_path / "leaderboard" / "attacks.csv").is_file()
     assert json.loads(records_under(tmp_path)[0].read_text())["schema_version"] == 1
