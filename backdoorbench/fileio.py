@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from backdoorbench.errors import ConfigError
 
@@ -23,12 +25,18 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write `data` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
+    return _atomic_write(path, lambda handle: handle.write(data))
+
+
+def _atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+    """`write(handle)` into a temp file beside `path`, fsync, give it the usual file mode, then
+    rename it over `path`: readers see the old file or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, _umask_mode())
@@ -57,17 +65,4 @@ def atomic_torch_save(obj: object, path: str | Path) -> Path:
     """`torch.save` to a temp file beside `path`, fsync, then rename: readers see all or nothing."""
     import torch
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return _atomic_write(path, lambda handle: torch.save(obj, handle))

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -38,6 +36,7 @@ from tqdm.auto import tqdm
 from backdoorbench import distributed
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
+from backdoorbench.fileio import atomic_torch_save
 
 log = logging.getLogger(__name__)
 
@@ -428,17 +427,7 @@ def save_checkpoint(
         "extra_params": [p.detach().cpu() for p in extra_params],
         "history": history,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_torch_save(state, path)
 
 
 def load_checkpoint(

@@ -13,13 +13,14 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from backdoorbench.fileio import atomic_torch_save
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +102,5 @@ def _read(path: Path) -> Splits | None:
 
 
 def _write_atomic(path: Path, splits: Splits) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save({k: splits[k].contiguous() for k in SPLIT_KEYS}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; others sharing the data root may read it
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # readable by others sharing the data root (the umask's mode, not mkstemp's private 0600)
+    atomic_torch_save({k: splits[k].contiguous() for k in SPLIT_KEYS}, path)
