@@ -14,33 +14,24 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from backdoorbench.attacks.lira import LIRA
-from backdoorbench.attacks.trigger_nets import MnistAutoencoder, UNet, build_trigger_generator
+from backdoorbench.attacks.trigger_nets import (
+    MnistAutoencoder,
+    UNet,
+    build_trigger_generator,
+)
 from backdoorbench.attacks.wb import WB, sliced_wasserstein, wasserstein_1d
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.models.base import Normalized
 from backdoorbench.models.mnist_cnn import MnistCNN
 from backdoorbench.train import Trainer
+from tests.tiny import COMMON, SHAPE, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
-SHAPE = (1, 16, 16)
-COMMON = dict(num_classes=4, image_shape=SHAPE, target=0)
 SMALL = dict(generator_width=2, stage1_epochs=1, generator_lr=1e-2, eps=0.1, test_eps=0.05, lookahead=False)
 ATTACKS = {"lira": LIRA, "wb": WB}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: a second OpenMP thread only adds waiting on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_model(seed: int = 0) -> Normalized:
-    torch.manual_seed(seed)
-    return Normalized(MnistCNN(in_channels=1, num_classes=4, image_size=16, hidden=16), (0.5,), (0.25,))
 
 
 def make_split(n: int = 32, seed: int = 0) -> Split:

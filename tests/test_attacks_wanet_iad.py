@@ -17,28 +17,13 @@ from backdoorbench.attacks.input_aware import InputAware, diversity_loss, mask_n
 from backdoorbench.attacks.wanet import WaNet, identity_grid
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
-from backdoorbench.models.base import Normalized
-from backdoorbench.models.mnist_cnn import MnistCNN
 from backdoorbench.train import Trainer
+from tests.tiny import COMMON, SHAPE, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
-SHAPE = (1, 16, 16)
-COMMON = dict(num_classes=4, image_shape=SHAPE, target=0)
 SMALL_IAD = dict(channels=4, depth=2, mask_epochs=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These nets are tiny: a second thread only adds barrier waits (slow on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_model(seed: int = 0) -> Normalized:
-    torch.manual_seed(seed)
-    return Normalized(MnistCNN(in_channels=1, num_classes=4, image_size=16, hidden=16), (0.5,), (0.25,))
 
 
 def make_split(n: int = 32, seed: int = 0) -> Split:

@@ -1,0 +1,27 @@
+"""Shared pieces of the tests that train tiny nets on 16x16, 4-class data (WaNet, IAD, LIRA, WB)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backdoorbench.models.base import Normalized
+from backdoorbench.models.mnist_cnn import MnistCNN
+
+SHAPE = (1, 16, 16)
+COMMON = dict(num_classes=4, image_shape=SHAPE, target=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These nets are tiny: a second OpenMP thread only adds barrier waits on a shared machine.
+    Autouse in each module that imports it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(seed: int = 0) -> Normalized:
+    torch.manual_seed(seed)
+    return Normalized(MnistCNN(in_channels=1, num_classes=4, image_size=16, hidden=16), (0.5,), (0.25,))
