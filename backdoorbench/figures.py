@@ -32,6 +32,7 @@ matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from backdoorbench import checks  # noqa: E402
 from backdoorbench.artifacts import load_artifacts  # noqa: E402
 from backdoorbench.config import NON_RESULT_KEYS  # noqa: E402
 from backdoorbench.errors import ConfigError, DataError, UserError  # noqa: E402
@@ -305,8 +306,7 @@ def write_figures(results_dir: str | Path, *, dataset: str | None = None, residu
     if not (results_dir / "runs").is_dir():
         raise ConfigError(f"results_dir={str(results_dir)!r} has no runs/ folder; run `python -m backdoorbench "
                           f"results_dir={results_dir}` first, or pass the results_dir that holds the records")
-    if isinstance(residual_scale, bool) or not isinstance(residual_scale, (int, float)) or not residual_scale > 0:
-        raise ConfigError(f"residual_scale={residual_scale!r} is invalid; use a number > 0 (e.g. 10)")
+    checks.number("", "residual_scale", residual_scale, 0, low_open=True, hint="e.g. 10")
     loaded = load_records_with_paths(results_dir)
     kept = {id(r) for r in filter_records([r for r, _ in loaded], dataset=dataset)}
     runs = [Run(record, path) for record, path in loaded if id(record) in kept]

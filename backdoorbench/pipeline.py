@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import backdoorbench
-from backdoorbench import distributed
+from backdoorbench import checks, distributed
 from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
@@ -65,19 +65,15 @@ def config_hash(config: dict[str, Any], drop: tuple[str, ...]) -> str:
 
 def validate_config(cfg: DictConfig) -> None:
     """Checks that need no data: run before Hydra writes anything, and again at the start of a run."""
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise ConfigError(f"seed={cfg.seed!r} is invalid; use an integer >= 0")
-    epochs = cfg.trainer.epochs
-    if epochs < 0:
-        raise ConfigError(f"trainer.epochs={epochs} is invalid; use an integer >= 0")
-    rate = cfg.attack.get("poison_rate")
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1):
-        raise ConfigError(f"attack.poison_rate={rate!r} is out of range; use a number in (0, 1]")
+    checks.integer("", "seed", cfg.seed, 0)
+    checks.integer("trainer", "epochs", cfg.trainer.epochs, 0)
+    if cfg.attack.get("poison_rate") is not None:  # absent: the attack has no poison rate
+        checks.number("attack", "poison_rate", cfg.attack.poison_rate, 0, 1, low_open=True)
     target = cfg.attack.get("target")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 0):
+    # The number of classes comes with the dataset, later; the attack checks the upper bound then.
+    if target is not None and (not checks.is_integer(target) or target < 0):
         raise ConfigError(f"attack.target={target!r} is out of range; use an integer class index >= 0")
-    if cfg.eval.stealth_images < 0:
-        raise ConfigError(f"eval.stealth_images={cfg.eval.stealth_images} is invalid; use an integer >= 0 (0 = skip)")
+    checks.integer("eval", "stealth_images", cfg.eval.stealth_images, 0, hint="0 = skip")
     ensure_writable_dir(cfg.results_dir)
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from backdoorbench import distributed
+from backdoorbench import checks, distributed
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save
@@ -198,15 +198,12 @@ class Trainer:
         progress: bool = True,
         device: str | torch.device = "cpu",
     ) -> None:
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ConfigError(f"trainer.epochs={epochs!r} is invalid; use an integer >= 0")
+        checks.integer("trainer", "epochs", epochs, 0)
         for key, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"trainer.{key}={value!r} is invalid; use an integer >= 1")
+            checks.integer("trainer", key, value, 1)
         if schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={schedule!r} is unknown; choose one of: {', '.join(SCHEDULES)}")
-        if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
-            raise ConfigError(f"crop_padding={crop_padding!r} is invalid; use an integer >= 0")
+        checks.integer("", "crop_padding", crop_padding, 0)  # the dataset's, passed in by the pipeline
         self.epochs = epochs
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size

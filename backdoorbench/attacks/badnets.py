@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from backdoorbench import checks
 from backdoorbench.attacks.base import Attack
 from backdoorbench.attacks.patterns import load_pattern
 from backdoorbench.errors import ConfigError
@@ -40,8 +41,7 @@ class BadNets(Attack):
     ) -> None:
         super().__init__(**common)
         channels, height, width = self.image_shape
-        if not isinstance(patch_size, int) or not 1 <= patch_size <= min(height, width):
-            raise ConfigError(f"attack.patch_size={patch_size!r} is out of range; use 1..{min(height, width)}")
+        checks.integer("attack", "patch_size", patch_size, 1, min(height, width))
         self.top, self.left = _patch_origin(location, margin, patch_size, height, width)
         self.patch_size = patch_size
         if pattern == "checkerboard":

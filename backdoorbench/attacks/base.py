@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.attacks.targets import make_target_rule
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
@@ -59,8 +60,7 @@ class Attack:
         target: int = 0,
         poison_rate: float = 0.1,
     ) -> None:
-        if isinstance(poison_rate, bool) or not isinstance(poison_rate, (int, float)) or not 0 < poison_rate <= 1:
-            raise ConfigError(f"attack.poison_rate={poison_rate!r} is out of range; use a number in (0, 1]")
+        checks.number("attack", "poison_rate", poison_rate, 0, 1, low_open=True)
         self.num_classes = num_classes
         self.image_shape = tuple(image_shape)
         self.target_rule = make_target_rule(target_mode, target, num_classes)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from backdoorbench import checks
 from backdoorbench.attacks.base import Attack
 from backdoorbench.attacks.patterns import load_pattern
-from backdoorbench.errors import ConfigError
 
 
 class Blended(Attack):
@@ -24,9 +24,7 @@ class Blended(Attack):
 
     def __init__(self, *, alpha: float = 0.2, pattern: str = "chelsea", seed: int = 0, **common) -> None:
         super().__init__(**common)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
-            raise ConfigError(f"attack.alpha={alpha!r} is out of range; use a number in (0, 1]")
-        self.alpha = float(alpha)
+        self.alpha = checks.number("attack", "alpha", alpha, 0, 1, low_open=True)
         self.pattern = load_pattern(pattern, self.image_shape, seed=seed)
 
     def apply_trigger(self, x: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from backdoorbench import checks
 from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
@@ -83,10 +84,8 @@ class Bpp(Attack):
         **common,
     ) -> None:
         super().__init__(**common)
-        if isinstance(squeeze_num, bool) or not isinstance(squeeze_num, int) or not 2 <= squeeze_num <= 255:
-            raise ConfigError(f"attack.squeeze_num={squeeze_num!r} is out of range; use an integer in [2, 255] (levels per channel)")
-        if isinstance(neg_ratio, bool) or not isinstance(neg_ratio, (int, float)) or not 0 <= neg_ratio < 1:
-            raise ConfigError(f"attack.neg_ratio={neg_ratio!r} is out of range; use a number in [0, 1)")
+        checks.integer("attack", "squeeze_num", squeeze_num, 2, 255, hint="levels per channel")
+        checks.number("attack", "neg_ratio", neg_ratio, 0, 1, high_open=True)
         self.squeeze_num = squeeze_num
         self.dithering = bool(dithering)
         self.neg_ratio = float(neg_ratio)

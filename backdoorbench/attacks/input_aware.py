@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backdoorbench import distributed
+from backdoorbench import checks, distributed
 from backdoorbench.attacks.base import StepWrapper, TrainingAttack
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError
@@ -152,22 +152,21 @@ class InputAware(TrainingAttack):
     ) -> None:
         super().__init__(**common)
         image_channels, height, width = self.image_shape
-        _check_number("cross_rate", cross_rate, 0, 1)
+        checks.number("attack", "cross_rate", cross_rate, 0, 1)
         if self.poison_rate + cross_rate > 1:
             raise ConfigError(
                 f"attack.cross_rate={cross_rate!r} with poison_rate={self.poison_rate} exceeds the batch; "
                 f"use cross_rate <= {1 - self.poison_rate:.4g}"
             )
         for key, value in (("lambda_div", lambda_div), ("lambda_norm", lambda_norm)):
-            _check_number(key, value, 0, math.inf)
-        _check_number("mask_density", mask_density, 0, 1, open_low=True)
+            checks.number("attack", key, value, 0)
+        checks.number("attack", "mask_density", mask_density, 0, 1, low_open=True)
         for key, value in (("generator_lr", generator_lr), ("mask_lr", mask_lr), ("lr_gamma", lr_gamma)):
-            _check_number(key, value, 0, math.inf, open_low=True)
-        if isinstance(mask_epochs, bool) or not isinstance(mask_epochs, int) or mask_epochs < 0:
-            raise ConfigError(f"attack.mask_epochs={mask_epochs!r} is invalid; use an integer >= 0 (the paper uses 25)")
+            checks.number("attack", key, value, 0, low_open=True)
+        checks.integer("attack", "mask_epochs", mask_epochs, 0, hint="the paper uses 25")
         for key, milestones in (("generator_milestones", generator_milestones), ("mask_milestones", mask_milestones)):
             if not isinstance(milestones, Sequence) or isinstance(milestones, str) or any(
-                _not_number(m) or not 0 < m <= 1 for m in milestones
+                not checks.is_number(m) or not 0 < m <= 1 for m in milestones
             ):
                 shown = list(milestones) if isinstance(milestones, Sequence) else milestones
                 raise ConfigError(
@@ -175,15 +174,14 @@ class InputAware(TrainingAttack):
                 )
         if depth is None:  # the official nets: 3 stages for 32 px images, 2 for MNIST's 28 px
             depth = 3 if height % 8 == 0 and width % 8 == 0 else 2
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1 or height % 2**depth or width % 2**depth:
+        if not checks.is_integer(depth) or depth < 1 or height % 2**depth or width % 2**depth:
             raise ConfigError(
                 f"attack.depth={depth!r} does not fit {height}x{width} images; use an integer >= 1 with "
                 f"height and width divisible by 2**depth"
             )
         if channels is None:  # the official widths: 16 for MNIST, 32 for color images
             channels = 16 if image_channels == 1 else 32
-        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-            raise ConfigError(f"attack.channels={channels!r} is invalid; use an integer >= 1")
+        checks.integer("attack", "channels", channels, 1)
         self.cross_rate = float(cross_rate)
         self.lambda_div = float(lambda_div)
         self.lambda_norm = float(lambda_norm)
@@ -412,14 +410,3 @@ class InputAware(TrainingAttack):
                 ) from None
         self.mask_generator.eval().requires_grad_(False)
         self.mask_ready = True
-
-
-def _not_number(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, (int, float))
-
-
-def _check_number(key: str, value: Any, low: float, high: float, open_low: bool = False) -> None:
-    if _not_number(value) or (value <= low if open_low else value < low) or value > high:
-        bracket = "(" if open_low else "["
-        upper = "inf)" if math.isinf(high) else f"{high:g}]"
-        raise ConfigError(f"attack.{key}={value!r} is out of range; use a number in {bracket}{low:g}, {upper}")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
@@ -96,15 +97,13 @@ class LabelConsistent(Attack):
                 "each poisoned label y, so it cannot teach y -> y+1); use attack.target_mode=all2one "
                 "or attack.clean_label=false"
             )
-        _check_number("eps", eps, 0.0, 1.0, low_open=True)
-        _check_number("amplitude", amplitude, 0.0, 1.0, low_open=True)
-        _check_number("surrogate_adv_eps", surrogate_adv_eps, 0.0, 1.0)
-        for key, value, low in (("pgd_steps", pgd_steps, 1), ("surrogate_epochs", surrogate_epochs, 1),
-                                ("surrogate_adv_steps", surrogate_adv_steps, 1), ("batch_size", batch_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"attack.{key}={value!r} is invalid; use an integer >= {low}")
-        if step_size is not None:
-            _check_number("step_size", step_size, 0.0, 1.0, low_open=True)
+        checks.number("attack", "eps", eps, 0, 1, low_open=True)
+        checks.number("attack", "amplitude", amplitude, 0, 1, low_open=True)
+        checks.number("attack", "surrogate_adv_eps", surrogate_adv_eps, 0, 1)
+        for key, value in (("pgd_steps", pgd_steps), ("surrogate_epochs", surrogate_epochs),
+                           ("surrogate_adv_steps", surrogate_adv_steps), ("batch_size", batch_size)):
+            checks.integer("attack", key, value, 1)
+        checks.number("attack", "step_size", step_size, 0, 1, low_open=True, allow_none=True)
         if corners not in CORNER_CHOICES:
             raise ConfigError(f"attack.corners={corners!r} is unknown; choose one of: {', '.join(CORNER_CHOICES)}")
         channels, height, width = self.image_shape
@@ -222,10 +221,3 @@ def corner_pattern(height: int, width: int, corners: str = "all") -> Tensor:
         pattern[:3, :3] = left
         pattern[-3:, :3] = left
     return pattern
-
-
-def _check_number(key: str, value, low: float, high: float, low_open: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (low < value if low_open else low <= value) and value <= high
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise ConfigError(f"attack.{key}={value!r} is out of range; use a number in {bracket}{low:g}, {high:g}]")

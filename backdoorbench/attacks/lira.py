@@ -9,32 +9,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from backdoorbench import distributed
+from backdoorbench import checks, distributed
 from backdoorbench.attacks.base import StepFn, StepWrapper, TrainingAttack
 from backdoorbench.attacks.trigger_nets import build_trigger_generator
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
-
-
-def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = True, high_open: bool = False,
-                 allow_none: bool = False) -> float | None:
-    """`value` as a float inside the interval, else a ConfigError naming `attack.<name>`."""
-    if value is None and allow_none:
-        return None
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        extra = " or null" if allow_none else ""
-        raise ConfigError(f"attack.{name}={value!r} is out of range; use a number in {interval}{extra}")
-    return float(value)
-
-
-def check_epochs(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"attack.{name}={value!r} is invalid; use an integer >= {minimum}")
-    return value
 
 
 def joint_forward(fn, x: Tensor, x_trig: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,18 +107,17 @@ class LIRA(TrainingAttack):
             raise ConfigError(f"attack.stage1_classifier={stage1_classifier!r} is unknown; choose one of: "
                               f"{', '.join(STAGE1_CLASSIFIER_LOSSES)}")
         self.stage1_classifier = stage1_classifier
-        self.eps = check_number("eps", eps, 0.0, 1.0)
-        self.test_eps = check_number("test_eps", test_eps, 0.0, 1.0, allow_none=True) or self.eps
-        self.alpha = check_number("alpha", alpha, 0.0, 1.0, high_open=True)
-        self.stage1_epochs = check_epochs("stage1_epochs", stage1_epochs, 1)
-        self.generator_lr = check_number("generator_lr", generator_lr, 0.0, float("inf"))
-        self.stage2_lr = check_number("stage2_lr", stage2_lr, 0.0, float("inf"), allow_none=True)
-        self.lookahead_lr = check_number("lookahead_lr", lookahead_lr, 0.0, float("inf"), allow_none=True)
+        self.eps = checks.number("attack", "eps", eps, 0.0, 1.0, low_open=True)
+        self.test_eps = checks.number("attack", "test_eps", test_eps, 0.0, 1.0, low_open=True, allow_none=True) or self.eps
+        self.alpha = checks.number("attack", "alpha", alpha, 0.0, 1.0, low_open=True, high_open=True)
+        self.stage1_epochs = checks.integer("attack", "stage1_epochs", stage1_epochs, 1)
+        self.generator_lr = checks.number("attack", "generator_lr", generator_lr, 0, low_open=True)
+        self.stage2_lr = checks.number("attack", "stage2_lr", stage2_lr, 0, low_open=True, allow_none=True)
+        self.lookahead_lr = checks.number("attack", "lookahead_lr", lookahead_lr, 0, low_open=True, allow_none=True)
         if not isinstance(lookahead, bool):
             raise ConfigError(f"attack.lookahead={lookahead!r} is invalid; use true or false")
         self.lookahead = lookahead
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"attack.seed={seed!r} is invalid; use an integer >= 0")
+        checks.integer("attack", "seed", seed, 0)
         # The generator's initial weights come from `seed` alone, without touching the global RNG.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

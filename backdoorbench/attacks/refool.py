@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from backdoorbench import checks
 from backdoorbench.attacks.base import Attack
 from backdoorbench.attacks.patterns import load_pattern
 from backdoorbench.errors import ConfigError
@@ -110,10 +111,8 @@ class Refool(Attack):
         self.ghost_offset = tuple(int(v) for v in _range("ghost_offset", ghost_offset, 0, min(height, width) - 1))
         self.ghost_weight = _range("ghost_weight", ghost_weight, 0.0, 1.0)
         self.blur_sigma = _range("blur_sigma", blur_sigma, 1e-3, float(max(height, width)))
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or gamma <= 0:
-            raise ConfigError(f"attack.gamma={gamma!r} is invalid; use a number > 0 (2.2 for sRGB, 1 for none)")
-        if isinstance(num_variants, bool) or not isinstance(num_variants, int) or num_variants < 1:
-            raise ConfigError(f"attack.num_variants={num_variants!r} is invalid; use an integer >= 1")
+        checks.number("attack", "gamma", gamma, 0, low_open=True, hint="2.2 for sRGB, 1 for none")
+        checks.integer("attack", "num_variants", num_variants, 1)
         self.reflections = reflections
         self.models = models
         self.gamma = float(gamma)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from backdoorbench import checks
 from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
@@ -48,11 +49,10 @@ class SIG(Attack):
         **common,
     ) -> None:
         super().__init__(**common)
-        _check_strength("delta", delta)
-        if test_delta is not None:
-            _check_strength("test_delta", test_delta)
-        if isinstance(frequency, bool) or not isinstance(frequency, (int, float)) or frequency <= 0:
-            raise ConfigError(f"attack.frequency={frequency!r} is invalid; use a number of periods per image width > 0")
+        pixels = "pixel units: 20/255 = 0.0784"
+        checks.number("attack", "delta", delta, 0, 1, low_open=True, hint=pixels)
+        checks.number("attack", "test_delta", test_delta, 0, 1, low_open=True, allow_none=True, hint=pixels)
+        checks.number("attack", "frequency", frequency, 0, low_open=True, hint="periods per image width")
         self.clean_label = bool(clean_label)
         if self.clean_label and self.target_mode == "all2all":
             raise ConfigError(
@@ -88,8 +88,3 @@ class SIG(Attack):
 
     def describe(self) -> dict:
         return {**super().describe(), "delta": self.delta, "test_delta": self.test_delta, "frequency": self.frequency}
-
-
-def _check_strength(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"attack.{key}={value!r} is out of range; use a number in (0, 1] (pixel units: 20/255 = 0.0784)")

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from backdoorbench import checks
 from backdoorbench.errors import ConfigError
 
 TARGET_MODES = ("all2one", "all2all")
@@ -50,10 +51,7 @@ class All2All:
 
 def make_target_rule(mode: str, target: int, num_classes: int) -> TargetRule:
     """Build the rule for `attack.target_mode` / `attack.target`, checking both."""
-    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < num_classes:
-        raise ConfigError(
-            f"attack.target={target!r} is out of range; use an integer in [0, {num_classes - 1}]"
-        )
+    checks.integer("attack", "target", target, 0, num_classes - 1)
     if mode == "all2one":
         return All2One(target)
     if mode == "all2all":

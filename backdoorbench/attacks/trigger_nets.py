@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.errors import ConfigError
 
 GENERATORS = ("auto", "autoencoder", "unet")
@@ -104,8 +105,7 @@ def build_trigger_generator(kind: str, image_shape: tuple[int, int, int], width:
     channels, height, width_px = image_shape
     if kind == "auto":
         kind = "autoencoder" if channels == 1 else "unet"
-    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
-        raise ConfigError(f"attack.generator_width={width!r} is invalid; use an integer >= 1 or null")
+    checks.integer("attack", "generator_width", width, 1, allow_none=True)
     if kind == "autoencoder":
         if min(height, width_px) < 16:
             raise ConfigError(f"attack.generator=autoencoder needs images of at least 16 px, got {height}x{width_px}")

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.attacks.badnets import _patch_origin
 from backdoorbench.attacks.base import Attack
 from backdoorbench.datasets.base import Split
@@ -56,19 +57,16 @@ class TrojanNN(Attack):
     ) -> None:
         super().__init__(**common)
         _, height, width = self.image_shape
-        if isinstance(patch_size, bool) or not isinstance(patch_size, int) or not 1 <= patch_size <= min(height, width):
-            raise ConfigError(f"attack.patch_size={patch_size!r} is out of range; use 1..{min(height, width)}")
+        checks.integer("attack", "patch_size", patch_size, 1, min(height, width))
         if not isinstance(location, str):
             location = [int(v) for v in location]
         self.top, self.left = _patch_origin(location, margin, patch_size, height, width)
         if connection not in CONNECTIONS:
             raise ConfigError(f"attack.connection={connection!r} is unknown; choose one of: {', '.join(CONNECTIONS)}")
         for key, value in (("num_neurons", num_neurons), ("trigger_steps", trigger_steps), ("surrogate_epochs", surrogate_epochs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"attack.{key}={value!r} is invalid; use an integer >= 1")
-        if isinstance(trigger_lr, bool) or not isinstance(trigger_lr, (int, float)) or not 0 < trigger_lr <= 1:
-            raise ConfigError(f"attack.trigger_lr={trigger_lr!r} is out of range; use a number in (0, 1]")
-        if isinstance(neuron_target, bool) or not isinstance(neuron_target, (int, float)):
+            checks.integer("attack", key, value, 1)
+        checks.number("attack", "trigger_lr", trigger_lr, 0, 1, low_open=True)
+        if not checks.is_number(neuron_target):
             raise ConfigError(f"attack.neuron_target={neuron_target!r} is invalid; use a number")
         self.patch_size = patch_size
         self.location = location

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.attacks.base import StepWrapper, TrainingAttack
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
@@ -84,13 +85,10 @@ class WaNet(TrainingAttack):
     ) -> None:
         super().__init__(**common)
         _, height, width = self.image_shape
-        if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= min(height, width):
-            raise ConfigError(f"attack.k={k!r} is out of range; use an integer in [2, {min(height, width)}]")
-        if _not_number(s) or s < 0:
-            raise ConfigError(f"attack.s={s!r} is out of range; use a number >= 0 (the paper uses 0.5)")
-        if _not_number(grid_rescale) or not 0 < grid_rescale <= 1:
-            raise ConfigError(f"attack.grid_rescale={grid_rescale!r} is out of range; use a number in (0, 1]")
-        if _not_number(cross_ratio) or cross_ratio < 0 or self.poison_rate * (1 + cross_ratio) > 1:
+        checks.integer("attack", "k", k, 2, min(height, width))
+        checks.number("attack", "s", s, 0, hint="the paper uses 0.5")
+        checks.number("attack", "grid_rescale", grid_rescale, 0, 1, low_open=True)
+        if not checks.is_number(cross_ratio) or cross_ratio < 0 or self.poison_rate * (1 + cross_ratio) > 1:
             raise ConfigError(
                 f"attack.cross_ratio={cross_ratio!r} is out of range; use a number >= 0 with "
                 f"poison_rate * (1 + cross_ratio) <= 1, i.e. <= {1 / self.poison_rate - 1:.4g}"
@@ -171,7 +169,3 @@ class WaNet(TrainingAttack):
                 raise DataError(f"WaNet state {key!r} is {got}; expected a tensor of shape (1, {height}, {width}, 2)")
         self.flow = state["flow"].detach().float().cpu().clone()
         self.grid = state["grid"].detach().float().cpu().clone()
-
-
-def _not_number(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, (int, float))

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backdoorbench.attacks.lira import LIRA, check_number, joint_forward
+from backdoorbench import checks
+from backdoorbench.attacks.lira import LIRA, joint_forward
 from backdoorbench.errors import ConfigError
 
 REFERENCES = ("target_class", "batch")
@@ -100,9 +101,9 @@ class WB(LIRA):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        self.wasserstein_order = check_number("wasserstein_order", wasserstein_order, 1.0, 2.0, low_open=False)
-        self.beta = check_number("beta", beta, 0.0, float("inf"), low_open=False)
-        self.beta_classifier = check_number("beta_classifier", beta_classifier, 0.0, float("inf"), low_open=False)
+        self.wasserstein_order = checks.number("attack", "wasserstein_order", wasserstein_order, 1.0, 2.0)
+        self.beta = checks.number("attack", "beta", beta, 0)
+        self.beta_classifier = checks.number("attack", "beta_classifier", beta_classifier, 0)
         if latent_reference not in REFERENCES:
             raise ConfigError(
                 f"attack.latent_reference={latent_reference!r} is unknown; choose one of: {', '.join(REFERENCES)}"

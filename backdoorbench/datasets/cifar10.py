@@ -11,9 +11,10 @@ import torch
 from torchvision.datasets import CIFAR10
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import ImageDataset, Split
 from backdoorbench.datasets.cache import cached_splits, source_key
-from backdoorbench.datasets.root import check_flag, check_int, corrupt_error, data_root, download_hint, require_files
+from backdoorbench.datasets.root import check_flag, corrupt_error, data_root, download_hint, require_files
 from backdoorbench.errors import DataError
 
 NAME = "cifar10"
@@ -38,7 +39,7 @@ def load_cifar10(
     (torchvision uses plain `pickle.load`); and `verify_md5=false` lets it read other files in the
     official format, such as the tests' tiny batches, which torchvision's fixed md5 list refuses.
     """
-    check_int("crop_padding", crop_padding, 0, 16)
+    checks.integer("dataset", "crop_padding", crop_padding, 0, 16)
     folder = data_root(root)
     batches = folder / CIFAR10.base_folder
     hint = download_hint(NAME, f"extract {CIFAR10.url} (md5 {CIFAR10.tgz_md5}) into {folder}")

@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 import torchvision
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import ImageDataset, Split
 from backdoorbench.datasets.cache import cached_splits, source_key
 from backdoorbench.datasets.decode import decode_images
 from backdoorbench.datasets.root import (
     check_flag,
-    check_int,
     corrupt_error,
     data_root,
     download_hint,
@@ -47,8 +47,8 @@ def load_gtsrb(
     num_classes is 43 whatever the files hold, and all 43 class folders must be present: a missing
     folder would silently shift torchvision's folder-order labels.
     """
-    check_int("image_size", image_size, 16, 256, " (32 in the papers)")
-    check_int("crop_padding", crop_padding, 0, image_size // 2)
+    checks.integer("dataset", "image_size", image_size, 16, 256, hint="32 in the papers")
+    checks.integer("dataset", "crop_padding", crop_padding, 0, image_size // 2)
     folder = data_root(root)
     base = folder / "gtsrb"
     hint = download_hint(NAME, f"extract {SOURCE} into {base}")

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 import torchvision
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import ImageDataset, Split
 from backdoorbench.datasets.cache import cached_splits, source_key
 from backdoorbench.datasets.mnist5k import MNIST_MEAN, MNIST_STD
-from backdoorbench.datasets.root import check_flag, check_int, corrupt_error, data_root, download_hint, require_files
+from backdoorbench.datasets.root import check_flag, corrupt_error, data_root, download_hint, require_files
 from backdoorbench.errors import DataError
 
 NAME = "mnist"
@@ -35,7 +36,7 @@ def load_mnist(root: str | None = None, download: bool = False, crop_padding: in
     fetches them through torchvision (its mirrors, its md5s). IDX headers and file sizes are checked
     first, so a truncated file is named in one line instead of failing inside the reader. No resize.
     """
-    check_int("crop_padding", crop_padding, 0, 14)
+    checks.integer("dataset", "crop_padding", crop_padding, 0, 14)
     folder = data_root(root)
     raw = folder / "MNIST" / "raw"
     hint = download_hint(NAME, f"put {SOURCE} into {raw}")

@@ -1,5 +1,5 @@
 """Where dataset files live, the one-line errors for files that are missing or unreadable, and the
-checks of the dataset config values every loader shares.
+check of the dataset switches every loader shares (number ranges: `backdoorbench.checks`).
 
 Every loader resolves its folder with `data_root(dataset.root)`: the configured value if set,
 else the environment variable BACKDOORBENCH_DATA, else ~/.cache/backdoorbench/data.
@@ -29,12 +29,6 @@ def check_flag(name: str, value: object) -> bool:
     """A config switch must be a real boolean: `download=yes` would otherwise read as truthy."""
     if not isinstance(value, bool):
         raise ConfigError(f"dataset.{name}={value!r} is invalid; use true or false")
-    return value
-
-
-def check_int(name: str, value: object, low: int, high: int, note: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"dataset.{name}={value!r} is out of range; use an integer in {low}..{high}{note}")
     return value
 
 

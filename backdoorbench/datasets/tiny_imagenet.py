@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from torchvision.datasets.utils import download_url
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import ImageDataset, Split
 from backdoorbench.datasets.cache import cached_splits, source_key
 from backdoorbench.datasets.decode import decode_images
 from backdoorbench.datasets.root import (
     check_flag,
-    check_int,
     corrupt_error,
     data_root,
     download_hint,
@@ -50,7 +50,7 @@ def load_tiny_imagenet(root: str | None = None, download: bool = False, crop_pad
     crop_padding 4 follows BackdoorBench's TinyImageNet runs (WaNet-style code would use 64 // 8 = 8);
     horizontal flips are on, as these are natural photos (BackdoorBench's code flips only CIFAR-10).
     """
-    check_int("crop_padding", crop_padding, 0, 32)
+    checks.integer("dataset", "crop_padding", crop_padding, 0, 32)
     folder = data_root(root)
     tree = folder / FOLDER
     hint = download_hint(NAME, f"unzip {URL} (md5 {ZIP_MD5}) into {folder}")

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
@@ -85,18 +86,13 @@ class AntiBackdoorLearning(Defense):
         clean_fraction: float = 0.0,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        for key, value, low in (("isolation_epochs", isolation_epochs, 1), ("unlearn_epochs", unlearn_epochs, 0),
-                                ("finetune_epochs", 0 if finetune_epochs is None else finetune_epochs, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use an integer >= {low}")
-        ratio = isolation_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-            raise ConfigError(f"defense.isolation_ratio={isolation_ratio!r} is out of range; use a number in (0, 1)")
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or gamma < 0:
-            raise ConfigError(f"defense.gamma={gamma!r} is invalid; use a number >= 0")
-        for key, value in (("unlearn_lr", unlearn_lr), ("lr", 1.0 if lr is None else lr)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use a number > 0")
+        checks.integer("defense", "isolation_epochs", isolation_epochs, 1)
+        checks.integer("defense", "unlearn_epochs", unlearn_epochs, 0)
+        checks.integer("defense", "finetune_epochs", finetune_epochs, 0, allow_none=True)
+        checks.number("defense", "isolation_ratio", isolation_ratio, 0, 1, low_open=True, high_open=True)
+        checks.number("defense", "gamma", gamma, 0)
+        checks.number("defense", "unlearn_lr", unlearn_lr, 0, low_open=True)
+        checks.number("defense", "lr", lr, 0, low_open=True, allow_none=True)
         self.isolation_epochs = isolation_epochs
         self.isolation_ratio = float(isolation_ratio)
         self.gamma = float(gamma)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from backdoorbench import checks
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.spectral import penultimate_features
 from backdoorbench.errors import ConfigError
@@ -108,12 +109,10 @@ class ActivationClustering(Defense):
         self, *, n_components: int = 10, reduction: str = "ica", size_threshold: float = 0.35, clean_fraction: float = 0.0
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        if isinstance(n_components, bool) or not isinstance(n_components, int) or n_components < 1:
-            raise ConfigError(f"defense.n_components={n_components!r} is invalid; use an integer >= 1 (the paper: 10)")
+        checks.integer("defense", "n_components", n_components, 1, hint="the paper: 10")
         if reduction not in REDUCTIONS:
             raise ConfigError(f"defense.reduction={reduction!r} is unknown; choose one of: {', '.join(REDUCTIONS)}")
-        if isinstance(size_threshold, bool) or not isinstance(size_threshold, (int, float)) or not 0 < size_threshold <= 0.5:
-            raise ConfigError(f"defense.size_threshold={size_threshold!r} is out of range; use a share in (0, 0.5]")
+        checks.number("defense", "size_threshold", size_threshold, 0, 0.5, low_open=True, hint="a share of the class")
         self.n_components = n_components
         self.reduction = reduction
         self.size_threshold = float(size_threshold)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
 
@@ -89,8 +89,7 @@ class AngularMargin(Defense):
     def __init__(self, *, penalty_weight: float = 100.0, scale: float = 0.1, clean_fraction: float = 0.0) -> None:
         super().__init__(clean_fraction=clean_fraction)
         for key, value in (("penalty_weight", penalty_weight), ("scale", scale)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use a finite number > 0")
+            checks.number("defense", key, value, 0, low_open=True, high_open=True)
         self.penalty_weight = float(penalty_weight)
         self.scale = float(scale)
 

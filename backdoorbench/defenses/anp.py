@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
@@ -93,15 +94,11 @@ class AdversarialNeuronPruning(Defense):
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
         for key, value in (("noise_steps", noise_steps), ("iterations", iterations), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use an integer >= 1")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
-            raise ConfigError(f"defense.eps={eps!r} is invalid; use a number >= 0")
-        if isinstance(mask_lr, bool) or not isinstance(mask_lr, (int, float)) or mask_lr <= 0:
-            raise ConfigError(f"defense.mask_lr={mask_lr!r} is invalid; use a number > 0")
+            checks.integer("defense", key, value, 1)
+        checks.number("defense", "eps", eps, 0)
+        checks.number("defense", "mask_lr", mask_lr, 0, low_open=True)
         for key, value in (("alpha", alpha), ("threshold", threshold), ("prune_fraction", prune_fraction)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise ConfigError(f"defense.{key}={value!r} is out of range; use a number in [0, 1]")
+            checks.number("defense", key, value, 0, 1)
         if prune_by not in PRUNE_BY:
             raise ConfigError(f"defense.prune_by={prune_by!r} is unknown; choose one of: {', '.join(PRUNE_BY)}")
         self.eps = float(eps)

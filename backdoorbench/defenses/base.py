@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError
 
@@ -55,13 +56,9 @@ class Defense:
     needs_clean_data: ClassVar[bool] = True
 
     def __init__(self, *, clean_fraction: float = 0.05) -> None:
-        low_ok = clean_fraction >= 0 if not self.needs_clean_data else clean_fraction > 0
-        if isinstance(clean_fraction, bool) or not isinstance(clean_fraction, (int, float)) or not (low_ok and clean_fraction < 1):
-            bound = "[0, 1)" if not self.needs_clean_data else "(0, 1)"
-            raise ConfigError(
-                f"defense.clean_fraction={clean_fraction!r} is out of range; {self.name} needs a number in {bound}"
-            )
-        self.clean_fraction = float(clean_fraction)
+        self.clean_fraction = checks.number("defense", "clean_fraction", clean_fraction, 0, 1, high_open=True,
+                                            low_open=self.needs_clean_data,
+                                            hint=f"{self.name} needs clean data" if self.needs_clean_data else "")
 
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         raise NotImplementedError

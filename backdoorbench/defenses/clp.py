@@ -7,6 +7,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
 
@@ -76,9 +77,7 @@ class ChannelLipschitzPruning(Defense):
 
     def __init__(self, *, u: float = 3.0, clean_fraction: float = 0.0) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or u < 0:
-            raise ConfigError(f"defense.u={u!r} is invalid; use a number >= 0 (the paper uses 3)")
-        self.u = float(u)
+        self.u = checks.number("defense", "u", u, 0, hint="the paper uses 3")
 
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         model = copy.deepcopy(ctx.model).to(ctx.trainer.device)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
@@ -175,15 +176,10 @@ class FinePruning(Defense):
         clean_fraction: float = 0.05,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        if isinstance(max_acc_drop, bool) or not isinstance(max_acc_drop, (int, float)) or not 0 <= max_acc_drop <= 1:
-            raise ConfigError(f"defense.max_acc_drop={max_acc_drop!r} is out of range; use a number in [0, 1]")
-        ratio = max_prune_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-            raise ConfigError(f"defense.max_prune_ratio={max_prune_ratio!r} is out of range; use a number in (0, 1)")
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ConfigError(f"defense.epochs={epochs!r} is invalid; use an integer >= 0")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-            raise ConfigError(f"defense.lr={lr!r} is invalid; use a number > 0")
+        checks.number("defense", "max_acc_drop", max_acc_drop, 0, 1)
+        checks.number("defense", "max_prune_ratio", max_prune_ratio, 0, 1, low_open=True, high_open=True)
+        checks.integer("defense", "epochs", epochs, 0)
+        checks.number("defense", "lr", lr, 0, low_open=True)
         self.max_acc_drop = float(max_acc_drop)
         self.max_prune_ratio = float(max_prune_ratio)
         self.epochs = epochs

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
+from backdoorbench import checks
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
-from backdoorbench.errors import ConfigError
 
 
 class FineTuning(Defense):
@@ -23,10 +23,8 @@ class FineTuning(Defense):
 
     def __init__(self, *, epochs: int = 10, lr: float = 0.01, clean_fraction: float = 0.05) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ConfigError(f"defense.epochs={epochs!r} is invalid; use an integer >= 1")
-        if not isinstance(lr, (int, float)) or lr <= 0:
-            raise ConfigError(f"defense.lr={lr!r} is invalid; use a number > 0")
+        checks.integer("defense", "epochs", epochs, 1)
+        checks.number("defense", "lr", lr, 0, low_open=True)
         self.epochs = epochs
         self.lr = float(lr)
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
-from backdoorbench.errors import ConfigError
 
 
 def implicit_hypergradient(
@@ -97,17 +97,12 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
         for key, value in (("rounds", rounds), ("batch_size", batch_size),
                            ("hypergrad_iterations", hypergrad_iterations),
                            ("perturbation_steps", perturbation_steps), ("unlearn_steps", unlearn_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use an integer >= 1")
+            checks.integer("defense", key, value, 1)
         for key, value in (("lr", lr), ("inner_lr", inner_lr), ("perturbation_lr", perturbation_lr),
                            ("perturbation_norm", perturbation_norm)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use a number > 0")
-        decay = perturbation_decay
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or decay < 0:
-            raise ConfigError(f"defense.perturbation_decay={decay!r} is invalid; use a number >= 0")
-        if isinstance(outer_portion, bool) or not isinstance(outer_portion, (int, float)) or not 0 < outer_portion <= 1:
-            raise ConfigError(f"defense.outer_portion={outer_portion!r} is out of range; use a number in (0, 1]")
+            checks.number("defense", key, value, 0, low_open=True)
+        checks.number("defense", "perturbation_decay", perturbation_decay, 0)
+        checks.number("defense", "outer_portion", outer_portion, 0, 1, low_open=True)
         self.rounds = rounds
         self.batch_size = batch_size
         self.lr = float(lr)

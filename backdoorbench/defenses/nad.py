@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import conv_stage_outputs, require_clean_subset
@@ -86,13 +87,11 @@ class NeuralAttentionDistillation(Defense):
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
         for key, value in (("teacher_epochs", teacher_epochs), ("epochs", epochs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use an integer >= 1")
+            checks.integer("defense", key, value, 1)
         for key, value in (("lr", lr), ("p", p)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use a number > 0")
+            checks.number("defense", key, value, 0, low_open=True)
         betas = list(betas) if isinstance(betas, Sequence) and not isinstance(betas, str) else None
-        if not betas or any(isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 for b in betas):
+        if not betas or any(not checks.is_number(b) or b < 0 for b in betas):
             raise ConfigError(
                 f"defense.betas={betas!r} is invalid; use a non-empty list of numbers >= 0, one per layer"
             )

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
@@ -95,18 +96,14 @@ class NeuralCleanse(Defense):
         for key, value, low in (("epochs", epochs, 1), ("batch_size", batch_size, 1), ("patience", patience, 1),
                                 ("early_stop_patience", early_stop_patience, 1), ("unlearn_epochs", unlearn_epochs, 0),
                                 ("parallel_classes", parallel_classes, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use an integer >= {low}")
+            checks.integer("defense", key, value, low)
         for key, value in (("lr", lr), ("init_cost", init_cost), ("unlearn_lr", unlearn_lr),
                            ("anomaly_threshold", anomaly_threshold)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use a number > 0")
-        if isinstance(cost_multiplier, bool) or not isinstance(cost_multiplier, (int, float)) or cost_multiplier <= 1:
-            raise ConfigError(f"defense.cost_multiplier={cost_multiplier!r} is invalid; use a number > 1")
+            checks.number("defense", key, value, 0, low_open=True)
+        checks.number("defense", "cost_multiplier", cost_multiplier, 1, low_open=True)
         for key, value in (("attack_success_threshold", attack_success_threshold),
                            ("unlearn_fraction", unlearn_fraction)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ConfigError(f"defense.{key}={value!r} is out of range; use a number in (0, 1]")
+            checks.number("defense", key, value, 0, 1, low_open=True)
         if not isinstance(reset_cost_to_zero, bool):
             raise ConfigError(f"defense.reset_cost_to_zero={reset_cost_to_zero!r} is invalid; use true or false")
         self.epochs = epochs

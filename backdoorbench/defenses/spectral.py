@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
@@ -84,11 +85,8 @@ class SpectralSignatures(Defense):
 
     def __init__(self, *, expected_poison_fraction: float = 0.1, removal_ratio: float = 1.5, clean_fraction: float = 0.0) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        if isinstance(expected_poison_fraction, bool) or not isinstance(expected_poison_fraction, (int, float)) \
-                or not 0 < expected_poison_fraction < 1:
-            raise ConfigError(f"defense.expected_poison_fraction={expected_poison_fraction!r} is out of range; use a number in (0, 1)")
-        if isinstance(removal_ratio, bool) or not isinstance(removal_ratio, (int, float)) or removal_ratio <= 0:
-            raise ConfigError(f"defense.removal_ratio={removal_ratio!r} is invalid; use a number > 0 (the paper: 1.5)")
+        checks.number("defense", "expected_poison_fraction", expected_poison_fraction, 0, 1, low_open=True, high_open=True)
+        checks.number("defense", "removal_ratio", removal_ratio, 0, low_open=True, hint="the paper: 1.5")
         if removal_ratio * expected_poison_fraction >= 1:
             raise ConfigError(
                 f"defense.removal_ratio * defense.expected_poison_fraction = {removal_ratio * expected_poison_fraction:g} "

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import DefenseContext, DefenseResult, InputDefense
 from backdoorbench.errors import ConfigError
@@ -45,10 +46,8 @@ class Strip(InputDefense):
     def __init__(self, *, num_superimpose: int = 100, frr: float = 0.01, batch_size: int = 16, clean_fraction: float = 0.05) -> None:
         super().__init__(clean_fraction=clean_fraction)
         for key, value in (("num_superimpose", num_superimpose), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"defense.{key}={value!r} is invalid; use an integer >= 1")
-        if isinstance(frr, bool) or not isinstance(frr, (int, float)) or not 0 < frr < 1:
-            raise ConfigError(f"defense.frr={frr!r} is out of range; use a false rejection rate in (0, 1)")
+            checks.integer("defense", key, value, 1)
+        checks.number("defense", "frr", frr, 0, 1, low_open=True, high_open=True, hint="the false rejection rate")
         self.num_superimpose = num_superimpose
         self.frr = float(frr)
         self.batch_size = batch_size  # inputs per forward pass; each is N superimposed images

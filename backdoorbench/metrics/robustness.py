@@ -9,24 +9,20 @@ owns its normalization (`models.base.Normalized`), so eps = 0.3 means 0.3 of the
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench import checks
 from backdoorbench.errors import ConfigError
 
 
 def _check(eps: float, steps: int, step_size: float | None, batch_size: int) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps <= 1 or math.isnan(eps):
-        raise ConfigError(f"pgd eps={eps!r} is out of range; use a number in [0, 1] (pixel units)")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"pgd steps={steps!r} is invalid; use an integer >= 1")
-    if step_size is not None and (isinstance(step_size, bool) or not isinstance(step_size, (int, float)) or step_size <= 0):
-        raise ConfigError(f"pgd step_size={step_size!r} is invalid; use a number > 0, or None for 2.5 * eps / steps")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"pgd batch_size={batch_size!r} is invalid; use an integer >= 1")
+    checks.number("eval.pgd", "eps", eps, 0, 1, hint="pixel units")
+    checks.integer("eval.pgd", "steps", steps, 1)
+    checks.number("eval.pgd", "step_size", step_size, 0, low_open=True, allow_none=True, hint="null = 2.5 * eps / steps")
+    checks.integer("pgd_accuracy", "batch_size", batch_size, 1)  # an argument only, not in the config
 
 
 def pgd_attack(
