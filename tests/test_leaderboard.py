@@ -196,3 +196,19 @@ def test_broken_records_are_skipped_with_a_warning(tmp_path, capsys):
     warned = [line for line in captured.err.splitlines() if line]
     assert len(warned) == 3 and all(line.startswith("warning: skipping record ") for line in warned)
     assert "6 rows from 11 records" in captured.out
+
+
+def test_ca_vs_clean_compares_with_the_control_trained_the_same_way(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, ca in ((0, 0.98), (1, 0.96)):  # the clean control of the default trainer, both seeds
+        save(runs, f"n{seed}", group="gn", seed=seed, attack="none", attacked=(ca, 0.001, 0.97),
+             cfg=config(attack="none"))
+    save(runs, "a0", group="ga", seed=0, attacked=(0.95, 1.0, 0.0))  # default trainer: 0.95 - 0.97
+    save(runs, "e0", group="ge", seed=0, attacked=(0.90, 0.5, 0.4), cfg=config(epochs=1))  # no control at 1 epoch
+    write_leaderboard(tmp_path)
+    rows = {r["group_id"]: r for r in read_csv(tmp_path / "leaderboard" / "attacks.csv")}
+    assert float(rows["ga"]["ca_vs_clean_mean"]) == pytest.approx(-0.02)
+    assert float(rows["ga"]["ca_vs_clean_std"]) == pytest.approx(statistics.stdev([0.98, 0.96]))
+    assert rows["ge"]["ca_vs_clean_mean"] == "" and rows["gn"]["ca_vs_clean_mean"] == ""
+    text = (tmp_path / "leaderboard" / "leaderboard.md").read_text()
+    assert "ΔCA vs clean" in text and "-2.00 † " in text
