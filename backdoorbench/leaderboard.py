@@ -274,7 +274,7 @@ def clean_controls(rows: list[Row]) -> None:
 def cell_text(cell: Cell | None, column: Column, row_n: int) -> str:
     if cell is None:
         return "–"
-    text = column.fmt(cell.mean) if cell.n == 1 else f"{column.fmt(cell.mean)} ± {column.fmt(cell.std)}"
+    text = column.fmt(cell.mean) if cell.n == 1 else f"{column.fmt(cell.mean)} ± {column.fmt(cell.std).lstrip('+')}"
     if cell.n != row_n:
         text += f" (n={cell.n})"
     return text + (f" {FLAG}" if cell.n < FEW_SEEDS else "")

@@ -212,3 +212,6 @@ def test_ca_vs_clean_compares_with_the_control_trained_the_same_way(tmp_path):
     assert rows["ge"]["ca_vs_clean_mean"] == "" and rows["gn"]["ca_vs_clean_mean"] == ""
     text = (tmp_path / "leaderboard" / "leaderboard.md").read_text()
     assert "ΔCA vs clean" in text and "-2.00 † " in text
+    save(runs, "a1", group="ga", seed=1, attacked=(0.97, 1.0, 0.0))  # two seeds: mean ± std, the std unsigned
+    write_leaderboard(tmp_path)
+    assert "-1.00 ± 2.00 †" in (tmp_path / "leaderboard" / "leaderboard.md").read_text()
