@@ -241,8 +241,7 @@ def build_rows(records: list[RunRecord]) -> list[Row]:
 
 
 def _training_key(row: Row) -> tuple[str, str, str]:
-    ignored = {k.split(".", 1)[1] for k in NON_RESULT_KEYS if k.startswith("trainer.")}
-    trainer = {k: v for k, v in (row.config.get("trainer") or {}).items() if k not in ignored}
+    trainer = {k: v for k, v in _flatten(row.config).items() if k.startswith("trainer.") and k not in NON_RESULT_KEYS}
     return row.dataset, row.model, json.dumps(trainer, sort_keys=True)
 
 
