@@ -75,41 +75,47 @@ def test_a_malicious_trainer_checkpoint_is_refused_by_the_cli(tmp_path, compose_
     assert_really_malicious(checkpoint, marker)
 
 
-def test_a_malicious_trainer_checkpoint_is_refused_by_fit(tmp_path):
-    marker, path = tmp_path / "pwned", tmp_path / "victim.pt"
-    write_malicious(path, {"format": CHECKPOINT_FORMAT, "model": RunsCode(marker)})
-    split = tiny_split()
-    with pytest.raises(DataError, match=r"cannot be read \(UnpicklingError\)") as info:
-        Trainer(epochs=1, device="cpu", progress=False).fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2)),
-                                                            split, generator=torch.Generator(), checkpoint=path)
-    assert "\n" not in str(info.value) and not marker.exists()
-    assert_really_malicious(path, marker)
-
-
 def tiny_split():
     from backdoorbench.datasets.base import Split
 
     return Split(torch.zeros(4, 3, 2, 2, dtype=torch.uint8), torch.tensor([0, 1, 0, 1]))
 
 
-def test_malicious_model_weights_are_refused(tmp_path):
+def _fit_from(path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2))
+    Trainer(epochs=1, device="cpu", progress=False).fit(model, tiny_split(), generator=torch.Generator(), checkpoint=path)
+
+
+def _read_model_weights(path: Path) -> None:
     from backdoorbench.models.timm_model import read_state_dict
 
-    marker, path = tmp_path / "pwned", tmp_path / "weights.pt"
-    write_malicious(path, {"conv.weight": RunsCode(marker)})
-    with pytest.raises(DataError, match=r"model.weights=.* cannot be read as weights \(UnpicklingError") as info:
-        read_state_dict(path)
-    assert "\n" not in str(info.value) and not marker.exists()
-    assert_really_malicious(path, marker)
+    read_state_dict(path)
 
 
-def test_malicious_lpips_weights_are_refused(tmp_path):
+def _load_lpips(path: Path) -> None:
     from backdoorbench.metrics.stealth import load_lpips
 
-    marker, path = tmp_path / "pwned", tmp_path / "alexnet-owt-7be5be79.pth"
-    write_malicious(path, {"features.0.weight": RunsCode(marker)})
-    with pytest.raises(DataError, match=r"cannot be read as torchvision AlexNet weights \(UnpicklingError\)") as info:
-        load_lpips(path)
+    load_lpips(path)
+
+
+# (file name, the payload's key holding the code, fixed keys, the loader, the error it must give)
+WEIGHT_LOADERS = {
+    "trainer checkpoint": ("victim.pt", "model", {"format": CHECKPOINT_FORMAT}, _fit_from,
+                           r"cannot be read \(UnpicklingError\)"),
+    "model weights": ("weights.pt", "conv.weight", {}, _read_model_weights,
+                      r"model.weights=.* cannot be read as weights \(UnpicklingError"),
+    "LPIPS weights": ("alexnet-owt-7be5be79.pth", "features.0.weight", {}, _load_lpips,
+                      r"cannot be read as torchvision AlexNet weights \(UnpicklingError\)"),
+}
+
+
+@pytest.mark.parametrize("what", list(WEIGHT_LOADERS))
+def test_a_malicious_weights_file_is_refused_in_one_line(tmp_path, what):
+    name, key, fixed, load, error = WEIGHT_LOADERS[what]
+    marker, path = tmp_path / "pwned", tmp_path / name
+    write_malicious(path, {**fixed, key: RunsCode(marker)})
+    with pytest.raises(DataError, match=error) as info:
+        load(path)
     assert "\n" not in str(info.value) and not marker.exists()
     assert_really_malicious(path, marker)
 
