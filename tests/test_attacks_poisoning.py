@@ -1,4 +1,4 @@
-"""The data-poisoning attacks SIG, Label-Consistent, BppAttack, TrojanNN and Refool: each one's
+"""The data-poisoning attacks SIG, Label-Consistent, BppAttack, TrojanNN, Refool and Adaptive-Blend: each one's
 defining property, both target modes (or the clean-label all2all error), seeding, and configs."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from backdoorbench.attacks.adaptive_blend import AdaptiveBlend, piece_bounds
 from backdoorbench.attacks.bpp import Bpp, floyd_steinberg, quantize
 from backdoorbench.attacks.label_consistent import LabelConsistent, corner_pattern
 from backdoorbench.attacks.refool import Refool, blend, ghost_reflection
@@ -27,7 +28,7 @@ from backdoorbench.models.mnist_cnn import MnistCNN
 from backdoorbench.train import Trainer
 
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
-NAMES = ("sig", "label_consistent", "bpp", "trojannn", "refool")
+NAMES = ("sig", "label_consistent", "bpp", "trojannn", "refool", "adaptive_blend")
 CLASSES = 4
 SHAPE = (1, 16, 16)
 
@@ -101,6 +102,8 @@ def build(name: str, mode: str = "all2one", **kw):
                                           trigger_lr=0.05, surrogate_epochs=1, **kw)), make_split())
     if name == "refool":
         return Refool(**common(target_mode=mode, poison_rate=0.2, num_variants=8, **kw))
+    if name == "adaptive_blend":
+        return AdaptiveBlend(**common(target_mode=mode, poison_rate=0.2, cover_rate=0.2, **kw))
     raise AssertionError(name)
 
 
@@ -127,12 +130,15 @@ def test_untouched_samples_stay_clean(name):
     changed[poisoned.indices] = True
     if name == "bpp":
         changed[attack.negative_indices] = True
+    if name == "adaptive_blend":
+        changed[attack.cover_indices] = True
     assert torch.equal(poisoned.split.images[~changed], split.images[~changed])
     assert torch.equal(poisoned.split.labels[~changed], split.labels[~changed])
 
 
 @pytest.mark.parametrize("name, kw", [("sig", {"clean_label": False}), ("bpp", {}), ("trojannn", {}),
-                                      ("refool", {"clean_label": False}), ("label_consistent", {"clean_label": False})])
+                                      ("refool", {"clean_label": False}), ("label_consistent", {"clean_label": False}),
+                                      ("adaptive_blend", {})])
 def test_dirty_label_all2all_relabels_to_next_class(name, kw):
     split = make_split()
     poisoned = build(name, "all2all", **kw).poison_dataset(split, torch.Generator().manual_seed(3))
@@ -395,3 +401,59 @@ def test_refool_rejects_bad_ranges_and_models():
         Refool(**common(alpha_t=[0.9, 0.5]))
     with pytest.raises(ConfigError, match="models"):
         Refool(**common(models=["mirror"]))
+
+
+# --- Adaptive-Blend ----------------------------------------------------------------------------
+
+def test_adaptive_blend_training_images_carry_the_pattern_on_a_random_half_of_the_pieces():
+    split = make_split()
+    attack = build("adaptive_blend")
+    poisoned = attack.poison_dataset(split, torch.Generator().manual_seed(0))
+    touched = torch.cat([poisoned.indices, attack.cover_indices])
+    original = split.images[touched]
+    full = to_uint8(to_float(original) + 0.15 * (attack.pattern - to_float(original)))  # alpha everywhere
+    out = poisoned.split.images[touched]
+    bounds = piece_bounds(SHAPE[1], 4)
+    layouts = set()
+    for i in range(len(touched)):
+        kept = []
+        for r0, r1 in bounds:
+            for c0, c1 in bounds:
+                piece = out[i, :, r0:r1, c0:c1]
+                if torch.equal(piece, full[i, :, r0:r1, c0:c1]) and not torch.equal(piece, original[i, :, r0:r1, c0:c1]):
+                    kept.append(True)
+                else:  # a hidden piece is left exactly as it was
+                    assert torch.equal(piece, original[i, :, r0:r1, c0:c1]), (i, r0, c0)
+                    kept.append(False)
+        assert sum(kept) == 8  # 16 pieces, mask_rate 0.5
+        layouts.add(tuple(kept))
+    assert len(layouts) > len(touched) // 2  # drawn afresh for each image
+
+
+def test_adaptive_blend_payload_is_relabelled_and_cover_keeps_its_labels():
+    split = make_split()
+    attack = build("adaptive_blend")
+    poisoned = attack.poison_dataset(split, torch.Generator().manual_seed(2))
+    payload, cover = poisoned.indices, attack.cover_indices
+    assert len(payload) == len(cover) == round(0.2 * len(split))
+    assert not set(payload.tolist()) & set(cover.tolist())
+    assert bool((poisoned.split.labels[payload] == 1).all()) and bool((split.labels[payload] != 1).all())
+    assert torch.equal(poisoned.split.labels[cover], split.labels[cover])
+    assert not torch.equal(poisoned.split.images[cover], split.images[cover])
+    assert attack.describe()["n_cover"] == len(cover)
+
+
+def test_adaptive_blend_test_trigger_is_the_whole_pattern_at_test_alpha():
+    attack = build("adaptive_blend")
+    x = to_float(make_split(4).images)
+    assert torch.allclose(attack.apply_trigger(x), 0.8 * x + 0.2 * attack.pattern)
+
+
+@pytest.mark.parametrize("kw, match", [({"pieces": 15}, "attack.pieces=15"), ({"pieces": 0}, "attack.pieces=0"),
+                                       ({"pieces": 400}, "attack.pieces=400"), ({"mask_rate": 1.0}, "attack.mask_rate=1.0"),
+                                       ({"mask_rate": 0.99}, "hides all 16 pieces"),
+                                       ({"cover_rate": 0.95}, "attack.cover_rate=0.95"), ({"alpha": 0}, "attack.alpha=0"),
+                                       ({"test_alpha": 1.5}, "attack.test_alpha=1.5")])
+def test_adaptive_blend_rejects_bad_values(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        AdaptiveBlend(**common(**kw))

@@ -57,7 +57,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("unknown key", fixed("trainer.epochz=3"), "Key 'epochz' not in 'TrainerSchema'"),
     ("added key the target does not take", fixed("+trainer.foo=1"),
      "trainer.foo is not a setting of backdoorbench.train.Trainer"),
-    ("unknown attack", fixed("attack=nope"), "unknown attack 'nope'; choose one of: badnets, blended"),
+    ("unknown attack", fixed("attack=nope"), "unknown attack 'nope'; choose one of: adaptive_blend, badnets, blended"),
     ("unknown optimizer", fixed("trainer/optimizer=nope"), "unknown trainer/optimizer 'nope'; choose one of: adam, sgd"),
     ("unknown value in a sweep", fixed("--multirun", "attack=badnets,nope"), "unknown attack 'nope'"),
     ("unknown launcher", fixed("--multirun", "hydra/launcher=nope"),

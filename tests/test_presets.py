@@ -113,7 +113,7 @@ def test_preflight_expands_a_presets_sweeps_and_reports_bad_values(conf_with):
     conf_with("bad_attack", header + "      attack: badnets,nope\n")
     conf_with("bad_rate", header + "      attack.poison_rate: 0.1,1.5\n")
     conf_with("bad_paper", header + "      paper: lira/mnist,lira/svhn\n")
-    with pytest.raises(ConfigError, match="^unknown attack 'nope'; choose one of: badnets, "):
+    with pytest.raises(ConfigError, match="^unknown attack 'nope'; choose one of: adaptive_blend, badnets, "):
         cli.preflight(["--multirun", "experiment=bad_attack"])
     with pytest.raises(ConfigError, match=r"^attack.poison_rate=1.5 is out of range"):
         cli.preflight(["--multirun", "experiment=bad_rate"])
