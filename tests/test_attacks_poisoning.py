@@ -457,3 +457,16 @@ def test_adaptive_blend_test_trigger_is_the_whole_pattern_at_test_alpha():
 def test_adaptive_blend_rejects_bad_values(kw, match):
     with pytest.raises(ConfigError, match=match):
         AdaptiveBlend(**common(**kw))
+
+
+def test_label_keeping_extras_avoid_the_poisoned_samples_and_say_when_too_few_are_left():
+    from backdoorbench.attacks.base import choose_unpoisoned
+
+    poisoned = torch.tensor([0, 2, 4, 6, 8, 9])
+    chosen = choose_unpoisoned(poisoned, 10, 0.3, "cover_rate", "cover samples", torch.Generator().manual_seed(0))
+    again = choose_unpoisoned(poisoned, 10, 0.3, "cover_rate", "cover samples", torch.Generator().manual_seed(0))
+    assert torch.equal(chosen, again) and torch.equal(chosen, chosen.sort().values)
+    assert len(chosen) == 3 and set(chosen.tolist()) <= {1, 3, 5, 7}
+    with pytest.raises(ConfigError, match=r"^attack.neg_ratio=0.5 asks for 5 negative samples but only 4 images are "
+                                          r"not poisoned; use attack.neg_ratio <= 0.4000$"):
+        choose_unpoisoned(poisoned, 10, 0.5, "neg_ratio", "negative samples", torch.Generator())

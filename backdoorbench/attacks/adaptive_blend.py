@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 from torch import Tensor
 
 from backdoorbench import checks
-from backdoorbench.attacks.base import Attack, PoisonedData
+from backdoorbench.attacks.base import Attack, PoisonedData, choose_unpoisoned
 from backdoorbench.attacks.patterns import load_pattern
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
@@ -18,7 +19,7 @@ def piece_bounds(size: int, per_side: int) -> list[tuple[int, int]]:
     """[start, stop) of each of `per_side` bands of a side of `size` pixels (sizes differ by at most
     one pixel when `per_side` does not divide `size`)."""
     edges = [round(i * size / per_side) for i in range(per_side + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(pairwise(edges))
 
 
 def piece_masks(count: int, shape: tuple[int, int], pieces: int, hidden: int, generator: torch.Generator) -> Tensor:
@@ -128,17 +129,7 @@ class AdaptiveBlend(Attack):
         """Blend a random (1 - mask_rate) of the pieces into the payload (relabelled) and cover
         (labels kept) images."""
         indices = self.poison_indices(train.labels, generator)
-        n = len(train)
-        wanted = round(self.cover_rate * n)
-        others = torch.ones(n, dtype=torch.bool)
-        others[indices] = False
-        candidates = torch.nonzero(others).flatten()
-        if wanted > len(candidates):  # rounding can leave a few too few
-            raise ConfigError(
-                f"attack.cover_rate={self.cover_rate} asks for {wanted} cover samples but only {len(candidates)} "
-                f"images are not poisoned; use attack.cover_rate <= {len(candidates) / n:.4f}"
-            )
-        cover = candidates[torch.randperm(len(candidates), generator=generator)[:wanted]].sort().values
+        cover = choose_unpoisoned(indices, len(train), self.cover_rate, "cover_rate", "cover samples", generator)
         touched = torch.cat([indices, cover])
         masks = self.training_masks(len(touched), generator)
         images, labels = train.images.clone(), train.labels.clone()
@@ -158,5 +149,5 @@ class AdaptiveBlend(Attack):
             "pieces": self.pieces,
             "hidden_pieces": self.hidden,
             "cover_rate": self.cover_rate,
-            "n_cover": int(len(self.cover_indices)),
+            "n_cover": len(self.cover_indices),
         }

@@ -34,6 +34,22 @@ def indices_sha256(indices: Tensor) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def choose_unpoisoned(poisoned: Tensor, n: int, rate: float, key: str, what: str,
+                      generator: torch.Generator) -> Tensor:
+    """A seeded random choice of round(rate * n) training indices outside `poisoned`, sorted: the
+    extra label-keeping samples some attacks add (BPP's negatives, Adaptive-Blend's cover)."""
+    wanted = round(rate * n)
+    others = torch.ones(n, dtype=torch.bool)
+    others[poisoned] = False
+    candidates = torch.nonzero(others).flatten()
+    if wanted > len(candidates):
+        raise ConfigError(
+            f"attack.{key}={rate} asks for {wanted} {what} but only {len(candidates)} images are not "
+            f"poisoned; use attack.{key} <= {len(candidates) / n:.4f}"
+        )
+    return candidates[torch.randperm(len(candidates), generator=generator)[:wanted]].sort().values
+
+
 StepFn = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 StepWrapper = Callable[[StepFn], StepFn]
 

@@ -6,9 +6,8 @@ import torch
 from torch import Tensor
 
 from backdoorbench import checks
-from backdoorbench.attacks.base import Attack, PoisonedData
+from backdoorbench.attacks.base import Attack, PoisonedData, choose_unpoisoned
 from backdoorbench.datasets.base import Split, to_float, to_uint8
-from backdoorbench.errors import ConfigError
 
 
 def quantize(x: Tensor, levels: int) -> Tensor:
@@ -103,16 +102,8 @@ class Bpp(Attack):
         """Quantize and relabel the poisoned images; add other images' residuals to the negatives."""
         indices = self.poison_indices(train.labels, generator)
         n = len(train)
-        wanted = round(self.neg_ratio * n)
-        others = torch.ones(n, dtype=torch.bool)
-        others[indices] = False
-        candidates = torch.nonzero(others).flatten()
-        if wanted > len(candidates):
-            raise ConfigError(
-                f"attack.neg_ratio={self.neg_ratio} asks for {wanted} negative samples but only {len(candidates)} "
-                f"images are not poisoned; use attack.neg_ratio <= {len(candidates) / n:.4f}"
-            )
-        negatives = candidates[torch.randperm(len(candidates), generator=generator)[:wanted]].sort().values
+        negatives = choose_unpoisoned(indices, n, self.neg_ratio, "neg_ratio", "negative samples", generator)
+        wanted = len(negatives)
         sources = torch.randint(n, (wanted,), generator=generator)
 
         images, labels = train.images.clone(), train.labels.clone()
