@@ -118,7 +118,9 @@ def test_same_seed_same_poisoned_indices_and_images(name):
     assert torch.equal(a.indices, b.indices) and torch.equal(a.split.images, b.split.images)
     assert torch.equal(a.split.labels, b.split.labels)
     assert not torch.equal(a.indices, c.indices)
-    assert len(a.indices) == round(0.2 * len(split))
+    # clean-label attacks poison a share of the target class (20 of 80 here), the others of the whole set
+    pool = int((split.labels == 1).sum()) if name in ("sig", "label_consistent", "refool") else len(split)
+    assert len(a.indices) == round(0.2 * pool)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -191,6 +193,14 @@ def test_sig_test_delta_differs_from_training_delta():
         abs(math.sin(2 * math.pi * j * 6 / 16)) for j in range(16))), atol=1e-6)
 
 
+def test_sig_defaults_are_backdoorbench_40_over_255_in_training_and_at_test_time():
+    """Finding 9 of issue 13: one named reference (BackdoorBench: sig_delta 40 on 0-255, f 6), not 60/100."""
+    for attack in (instantiate(OmegaConf.load(CONF / "sig.yaml"), num_classes=10, image_shape=(1, 28, 28)),
+                   SIG(num_classes=10, image_shape=(1, 28, 28))):
+        assert math.isclose(attack.delta, 40 / 255, rel_tol=1e-8) and attack.test_delta == attack.delta
+        assert attack.frequency == 6
+
+
 def test_sig_rejects_bad_amplitude():
     with pytest.raises(ConfigError, match="attack.delta=20"):
         SIG(**common(delta=20))
@@ -248,7 +258,7 @@ def test_lc_prepare_trains_the_surrogate_with_the_trainer():
     attack.prepare(trainer=tiny_trainer(), train=make_split(), generator=torch.Generator().manual_seed(0),
                    build_model=tiny_model)
     assert 0 <= attack.stats["surrogate_train_acc"] <= 1
-    assert attack.poison_dataset(make_split(), torch.Generator().manual_seed(0)).indices.numel() == 16
+    assert attack.poison_dataset(make_split(), torch.Generator().manual_seed(0)).indices.numel() == 4  # 0.2 of 20
 
 
 def test_lc_needs_prepare():

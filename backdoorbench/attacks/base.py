@@ -57,7 +57,8 @@ StepWrapper = Callable[[StepFn], StepFn]
 class Attack:
     """Base of every attack. Data-poisoning attacks implement `apply_trigger` only.
 
-    `poison_rate` is the fraction of the whole training set that is poisoned. Images enter
+    `poison_rate` is the fraction of the whole training set that is poisoned, or, for clean-label
+    attacks, of the target class (see `poison_count`). Images enter
     `apply_trigger` as float in [0, 1], shape (B, C, H, W), and leave in the same range and shape.
     """
 
@@ -93,20 +94,30 @@ class Attack:
         targets = self.target_rule(y)
         return targets == y if self.clean_label else targets != y
 
-    def poison_indices(self, y: Tensor, generator: torch.Generator) -> Tensor:
-        """A seeded random choice of round(poison_rate * N) eligible training indices, sorted."""
-        candidates = torch.nonzero(self.eligible(y)).flatten()
-        wanted = round(self.poison_rate * len(y))
-        if wanted > len(candidates):
+    def poison_count(self, y: Tensor) -> int:
+        """How many training samples are poisoned: round(poison_rate * N) of the whole set for
+        dirty-label attacks, round(poison_rate * N_target) of the target class for clean-label ones
+        (the papers' convention: a share of the whole set could exceed the target class on
+        many-class data). Cheap, so attacks that train a surrogate call it before training."""
+        eligible = int(self.eligible(y).sum())
+        pool, of = (eligible, "target-class") if self.clean_label else (len(y), "training")
+        wanted = round(self.poison_rate * pool)
+        if wanted > eligible:
             raise ConfigError(
                 f"attack.poison_rate={self.poison_rate} asks for {wanted} poisoned samples but only "
-                f"{len(candidates)} of {len(y)} are eligible; use attack.poison_rate <= "
-                f"{len(candidates) / len(y):.4f}"
+                f"{eligible} of {len(y)} are eligible; use attack.poison_rate <= {eligible / len(y):.4f}"
             )
         if wanted == 0:
             raise ConfigError(
-                f"attack.poison_rate={self.poison_rate} poisons no sample of {len(y)}; use a rate >= {1 / len(y):.2g}"
+                f"attack.poison_rate={self.poison_rate} poisons no sample of the {pool} {of} images; "
+                f"use a rate >= {1 / max(pool, 1):.2g}"
             )
+        return wanted
+
+    def poison_indices(self, y: Tensor, generator: torch.Generator) -> Tensor:
+        """A seeded random choice of `poison_count(y)` eligible training indices, sorted."""
+        wanted = self.poison_count(y)
+        candidates = torch.nonzero(self.eligible(y)).flatten()
         chosen = candidates[torch.randperm(len(candidates), generator=generator)[:wanted]]
         return chosen.sort().values
 
@@ -164,6 +175,7 @@ class Attack:
             "target": self.target,
             "poison_rate": self.poison_rate,
             "clean_label": self.clean_label,
+            **({"poison_rate_of": "target_class"} if self.clean_label else {}),
         }
 
 

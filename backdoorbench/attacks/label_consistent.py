@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backdoorbench import checks
+from backdoorbench.attacks.clean_label import default_poison_rate
 from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
@@ -87,9 +88,10 @@ class LabelConsistent(Attack):
         surrogate_adv_steps: int = 5,
         batch_size: int = 256,
         clean_label: bool = True,
+        poison_rate: float | None = None,
         **common,
     ) -> None:
-        super().__init__(**common)
+        super().__init__(poison_rate=default_poison_rate(poison_rate, bool(clean_label)), **common)
         self.clean_label = bool(clean_label)
         if self.clean_label and self.target_mode == "all2all":
             raise ConfigError(
@@ -133,6 +135,7 @@ class LabelConsistent(Attack):
     # --- surrogate and PGD ---------------------------------------------------------------
     def prepare(self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]) -> None:
         """Train the clean surrogate whose loss the PGD perturbation maximizes."""
+        self.poison_count(train.labels)  # a rate that can't be met fails now, not after the surrogate
         model = build_model()
         self._noise_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
         step = self._adversarial_step if self.surrogate_adv_eps > 0 else None

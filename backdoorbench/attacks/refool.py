@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backdoorbench import checks
+from backdoorbench.attacks.clean_label import default_poison_rate
 from backdoorbench.attacks.base import Attack
 from backdoorbench.attacks.patterns import load_pattern
 from backdoorbench.errors import ConfigError
@@ -89,10 +90,11 @@ class Refool(Attack):
         gamma: float = 2.2,
         num_variants: int = 256,
         clean_label: bool = True,
+        poison_rate: float | None = None,
         seed: int = 0,
         **common,
     ) -> None:
-        super().__init__(**common)
+        super().__init__(poison_rate=default_poison_rate(poison_rate, bool(clean_label)), **common)
         self.clean_label = bool(clean_label)
         if self.clean_label and self.target_mode == "all2all":
             raise ConfigError(

@@ -102,6 +102,7 @@ class TrojanNN(Attack):
     # --- neuron selection and trigger optimization ----------------------------------------
     def prepare(self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]) -> None:
         """Train a clean surrogate, pick its most connected penultimate neurons, optimize the patch."""
+        self.poison_count(train.labels)  # a rate that can't be met fails now, not after the surrogate
         model = build_model()
         trainer.fit(model, train, generator=generator, epochs=self.surrogate_epochs, desc="surrogate")
         with torch.no_grad():
