@@ -18,7 +18,7 @@ from torch import nn
 from backdoorbench.attacks.adaptive_blend import AdaptiveBlend, piece_bounds
 from backdoorbench.attacks.bpp import Bpp, floyd_steinberg, quantize
 from backdoorbench.attacks.label_consistent import LabelConsistent, corner_pattern
-from backdoorbench.attacks.refool import Refool, blend, ghost_reflection
+from backdoorbench.attacks.refool import Refool, blend, focal_blur_blend, ghost_reflection, vignette
 from backdoorbench.attacks.sig import SIG
 from backdoorbench.attacks.trojannn import TrojanNN, feature_layer, select_neurons
 from backdoorbench.datasets.base import Split, to_float, to_uint8
@@ -101,7 +101,7 @@ def build(name: str, mode: str = "all2one", **kw):
         return prepared(TrojanNN(**common(target_mode=mode, poison_rate=0.2, patch_size=4, trigger_steps=20,
                                           trigger_lr=0.05, surrogate_epochs=1, **kw)), make_split())
     if name == "refool":
-        return Refool(**common(target_mode=mode, poison_rate=0.2, num_variants=8, **kw))
+        return Refool(**common(target_mode=mode, poison_rate=0.2, **kw))
     if name == "adaptive_blend":
         return AdaptiveBlend(**common(target_mode=mode, poison_rate=0.2, cover_rate=0.2, **kw))
     raise AssertionError(name)
@@ -383,27 +383,66 @@ def test_refool_ghost_and_blend_formulas_on_a_hand_case():
     assert math.isclose(float(blend(x, ghost, 0.8, gamma=2.2)[0, 0, 0]), value, rel_tol=1e-5)
 
 
-def test_refool_applies_the_seeded_variant_of_each_batch_position():
-    attack = Refool(**common(num_variants=4, seed=3))
-    x = torch.rand(6, *SHAPE)
+def test_refool_draws_a_fresh_reflection_for_every_test_image():
+    """Finding 8 of issue 13: no bank of fixed variants; each image gets its own draw, reproducibly."""
+    attack = Refool(**common(seed=3))
+    x = torch.full((300, *SHAPE), 0.4)  # one image, many times: any difference is the reflection's
     out = attack.apply_trigger(x)
     assert out.min() >= 0 and out.max() <= 1
-    for i in range(6):
-        v = i % 4
-        assert torch.allclose(out[i], blend(x[i], attack.layers[v], attack.variants[v]["alpha_t"], 2.2), atol=1e-6)
-    assert torch.equal(out, Refool(**common(num_variants=4, seed=3)).apply_trigger(x))
-    assert not torch.equal(out, Refool(**common(num_variants=4, seed=4)).apply_trigger(x))
-    assert {v["model"] for v in Refool(**common(num_variants=16)).variants} == {"ghost", "focal_blur"}
+    assert len(torch.unique(out.flatten(1), dim=0)) == 300
+    assert not torch.equal(attack.apply_trigger(x[:8]), out[:8])  # the next call draws again
+    assert torch.equal(Refool(**common(seed=3)).apply_trigger(x), out)  # seeded
+    assert not torch.equal(Refool(**common(seed=4)).apply_trigger(x), out)
 
 
-def test_refool_ghost_variant_is_the_two_pulse_kernel_of_its_source():
-    attack = Refool(**common(models=["ghost"], num_variants=3, reflections=["camera"]))
+def test_refool_training_reflections_come_from_the_run_generator_not_the_test_stream():
+    split = make_split()
+    attack = build("refool")
+    first = attack.poison_dataset(split, torch.Generator().manual_seed(5))
+    test_trigger = attack.apply_trigger(to_float(split.images[:4]))
+    again = build("refool").poison_dataset(split, torch.Generator().manual_seed(5))
+    assert torch.equal(first.split.images, again.split.images)
+    assert torch.equal(build("refool").apply_trigger(to_float(split.images[:4])), test_trigger)  # untouched by poisoning
+
+
+def test_refool_ghost_image_is_the_two_pulse_kernel_of_its_source():
+    attack = Refool(**common(models=["ghost"], reflections=["camera"]))
     from backdoorbench.attacks.patterns import load_pattern
 
     linear = load_pattern("camera", SHAPE) ** 2.2
-    for v, variant in enumerate(attack.variants):
-        assert 1 <= min(variant["offset"]) and max(variant["offset"]) <= 3
-        assert torch.allclose(attack.layers[v], ghost_reflection(linear, variant["offset"], variant["weight"]))
+    x = torch.rand(1, *SHAPE)
+    g = torch.Generator().manual_seed(0)
+    variant = attack.draw(g)
+    assert 1 <= min(variant["offset"]) and max(variant["offset"]) <= 3
+    out = attack.trigger_with(x, torch.Generator().manual_seed(0))
+    expected = blend(x[0], ghost_reflection(linear, variant["offset"], variant["weight"]), variant["alpha_t"], 2.2)
+    assert torch.allclose(out[0], expected, atol=1e-6)
+
+
+def _official_vignette(side: int, nsig: float = 3.0) -> np.ndarray:
+    """gen_kernel of the official insert_reflection.py (scipy's norm.cdf as math.erf)."""
+    interval = (2 * nsig + 1.0) / side
+    x = np.linspace(-nsig - interval / 2.0, nsig + interval / 2.0, side + 1)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    k = np.sqrt(np.outer(np.diff(cdf), np.diff(cdf)))
+    return k / k.max()
+
+
+def test_refool_focal_blur_uses_the_official_vignetted_weight():
+    """Finding 8: the reflection is weighted by (1 - alpha_t / 2) x vignette, not by (1 - alpha_t)."""
+    assert np.allclose(vignette(32, 32).numpy(), _official_vignette(32), atol=1e-6)
+    mask = vignette(32, 32)
+    assert float(mask.max()) == pytest.approx(1.0) and float(mask[16, 0]) < 0.15  # bright centre, dark edge
+    t = torch.zeros(1, 32, 32)
+    r = torch.full((1, 32, 32), 0.5)  # no saturation, so no darkening
+    alpha_t = 0.9
+    out = focal_blur_blend(t, r, alpha_t, att=1.1, mask=mask)
+    assert torch.allclose(out, 0.5 * (1 - alpha_t / 2) * mask)
+    assert float(out.max()) / (0.5 * (1 - alpha_t)) > 5  # 5.5x the old (1 - alpha_t) weight at the centre
+    saturated = focal_blur_blend(torch.full((1, 32, 32), 0.8), torch.full((1, 32, 32), 0.6), 0.5, att=1.1,
+                                 mask=torch.ones(32, 32))
+    darkened = (0.6 - 0.4 * 1.1) * 0.75 + 0.5 * 0.8  # r lowered by att * (mean of t + r where > 1, minus 1)
+    assert torch.allclose(saturated, torch.full_like(saturated, darkened))
 
 
 def test_refool_rejects_bad_ranges_and_models():

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backdoorbench import checks
-from backdoorbench.attacks.clean_label import default_poison_rate
 from backdoorbench.attacks.base import Attack, PoisonedData
+from backdoorbench.attacks.clean_label import default_poison_rate
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
 

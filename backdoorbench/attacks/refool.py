@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backdoorbench import checks
+from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.attacks.clean_label import default_poison_rate
-from backdoorbench.attacks.base import Attack
 from backdoorbench.attacks.patterns import load_pattern
+from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
 
 REFLECTION_MODELS = ("ghost", "focal_blur", "in_focus")
@@ -45,34 +46,65 @@ def gaussian_blur(r: Tensor, sigma: float) -> Tensor:
 
 def blend(x: Tensor, reflection: Tensor, alpha_t: Tensor | float, gamma: float) -> Tensor:
     """Image with reflection, in linear light: (alpha_t * x^gamma + (1 - alpha_t) * R)^(1/gamma),
-    clipped to [0, 1]. `reflection` R is already the kernel-filtered, linearized layer k * r^gamma."""
+    clipped to [0, 1]. `reflection` R is already the kernel-filtered, linearized layer k * r^gamma.
+    The official ghost model (and our in-focus one)."""
     mixed = alpha_t * x.clamp(0.0, 1.0) ** gamma + (1.0 - alpha_t) * reflection
     return mixed.clamp(0.0, 1.0) ** (1.0 / gamma)
 
 
+def vignette(height: int, width: int, nsig: float = 3.0) -> Tensor:
+    """The official focal-blur mask: a separable Gaussian over +-`nsig` std across the longer
+    side, square-rooted and scaled to 1 at its peak, (H, W). The official code draws it at 560 px
+    (the size it blends at); a square image covers the whole mask, a non-square one its centre."""
+    side = max(height, width)
+    interval = (2 * nsig + 1.0) / side
+    edges = torch.linspace(-nsig - interval / 2, nsig + interval / 2, side + 1, dtype=torch.float64)
+    per_axis = torch.special.ndtr(edges).diff()
+    mask = torch.sqrt(per_axis.view(-1, 1) * per_axis.view(1, -1))
+    mask = (mask / mask.max()).float()
+    top, left = (side - height) // 2, (side - width) // 2
+    return mask[top : top + height, left : left + width]
+
+
+def focal_blur_blend(t: Tensor, r_blur: Tensor, alpha_t: float, att: float, mask: Tensor) -> Tensor:
+    """The official focal-blur image, all in linear light: the blurred reflection `r_blur` (C, H, W)
+    is first darkened per channel by att * (mean over the pixels where t + r_blur > 1 of that sum,
+    minus 1), clipped to [0, 1], then added with weight mask * (1 - alpha_t / 2) to alpha_t * t;
+    the result is clipped to [0, 1] (still linear). `mask` is `vignette(H, W)`."""
+    over = t + r_blur
+    saturated = over > 1
+    excess = (over * saturated).flatten(1).sum(1) / (saturated.flatten(1).sum(1) + 1e-6)
+    r_blur = (r_blur - (excess.clamp(min=1.0) - 1).view(-1, 1, 1) * att).clamp(0.0, 1.0)
+    return (r_blur * mask * (1.0 - alpha_t / 2.0) + alpha_t * t).clamp(0.0, 1.0)
+
+
 class Refool(Attack):
     """Refool (Liu, Ma, Bailey, Lu, "Reflection Backdoor: A Natural Backdoor Attack on Deep
-    Neural Networks", ECCV 2020).
+    Neural Networks", ECCV 2020). Every value against its source: docs/fidelity_attacks.md#refool.
 
     The trigger is a reflection: an image of another scene r, filtered by one of the paper's
-    reflection models, x_adv = x + k * r, with k a two-pulse kernel (ghost effect: a copy shifted
-    and attenuated), a Gaussian (focal blur: reflection out of focus) or the identity (both in
-    focus); the blend is computed in linear light (gamma 2.2) with the transmission weighted by
-    alpha_t, as the official code does. By default (`clean_label=True`, the paper's setting) only
-    target-class images are poisoned and keep their labels; `clean_label=False` is the
+    reflection models and blended in linear light (gamma 2.2), as the official `blend_images`:
+    ghost effect (r plus a shifted, attenuated copy, weighted by 1 - alpha_t), focal blur (r out
+    of focus: Gaussian-blurred, darkened where the sum saturates, weighted by (1 - alpha_t / 2)
+    times a centred vignette), or in focus (r itself, weighted by 1 - alpha_t; the paper's third
+    model, absent from the official code). By default (`clean_label=True`, the paper's setting)
+    only target-class images are poisoned and keep their labels; `clean_label=False` is the
     dirty-label variant BackdoorBench runs by default.
 
-    Reflections: `num_variants` seeded draws of (source image, model, alpha_t, offset, weight,
-    sigma); the image at position i of any batch gets variant i mod num_variants, so test-time
-    triggering is reproducible and needs no image index.
+    Each image gets a fresh draw of (source, model, alpha_t, offset, weight, sigma, darkening), as
+    the official code calls `blend_images` per image: poisoned training images from the run's
+    poisoning generator, test-time images from the attack's own seeded generator (so a run is
+    reproducible, and test triggers are not the training ones).
 
     Departures: the paper picks its reflection images from a large photo set by their attack
     strength on a surrogate (adversarial reflection selection); we use a fixed handful of
     scikit-image samples (offline). The official code blends at 560 px and resizes; we blend at
     the dataset's resolution, so the ghost offsets (px) and blur sigmas (px) are scaled to small
-    images, and we drop the official focal-blur code's brightness re-ranging and vignette mask.
-    Target modes: clean-label all2all is not meaningful (labels are kept, so the trigger can't
-    teach y -> y+1) and raises a ConfigError; use clean_label=false for all2all.
+    images (the official 3-8 px offsets and sigma 1-5 at 560 px would vanish at 32 px), and the
+    ghost copy is not cropped and re-enlarged. The model is drawn uniformly from `models` (the
+    official code: ghost with probability 0.49). Target modes: clean-label all2all is not
+    meaningful (labels are kept, so the trigger can't teach y -> y+1) and raises a ConfigError;
+    use clean_label=false for all2all.
     """
 
     name = "refool"
@@ -88,7 +120,6 @@ class Refool(Attack):
         ghost_weight: Sequence[float] = (0.15, 0.5),
         blur_sigma: Sequence[float] = (0.5, 1.5),
         gamma: float = 2.2,
-        num_variants: int = 256,
         clean_label: bool = True,
         poison_rate: float | None = None,
         seed: int = 0,
@@ -114,50 +145,65 @@ class Refool(Attack):
         self.ghost_weight = _range("ghost_weight", ghost_weight, 0.0, 1.0)
         self.blur_sigma = _range("blur_sigma", blur_sigma, 1e-3, float(max(height, width)))
         checks.number("attack", "gamma", gamma, 0, low_open=True, hint="2.2 for sRGB, 1 for none")
-        checks.integer("attack", "num_variants", num_variants, 1)
         self.reflections = reflections
         self.models = models
         self.gamma = float(gamma)
-        self.num_variants = num_variants
         self.seed = seed
-        sources = [load_pattern(spec, self.image_shape, seed=seed) for spec in reflections]
-        self.variants, self.layers, self.alphas = self._draw_variants(sources, torch.Generator().manual_seed(seed))
+        self.sources = torch.stack([load_pattern(spec, self.image_shape, seed=seed) for spec in reflections]) ** self.gamma
+        self.mask = vignette(height, width)
+        # Test-time draws: their own stream, so evaluating never depends on how training was poisoned.
+        self._test_generator = torch.Generator().manual_seed(seed)
 
-    def _draw_variants(self, sources: list[Tensor], generator: torch.Generator) -> tuple[list[dict], Tensor, Tensor]:
-        """Seeded reflection layers (V, C, H, W), linearized and filtered, and their alpha_t (V,)."""
+    def draw(self, generator: torch.Generator) -> dict:
+        """One image's reflection: source, model and that model's parameters."""
         def uniform(low: float, high: float) -> float:
             return low + (high - low) * float(torch.rand((), generator=generator))
 
-        variants, layers = [], []
-        for _ in range(self.num_variants):
-            source = int(torch.randint(len(sources), (), generator=generator))
-            model = self.models[int(torch.randint(len(self.models), (), generator=generator))]
-            linear = sources[source] ** self.gamma
-            variant = {"source": self.reflections[source], "model": model, "alpha_t": uniform(*self.alpha_t)}
-            if model == "ghost":
-                low, high = self.ghost_offset
-                offset = tuple(int(torch.randint(low, high + 1, (), generator=generator)) for _ in range(2))
-                weight = uniform(*self.ghost_weight)
-                if float(torch.rand((), generator=generator)) < 0.5:  # either copy may be the brighter one
-                    weight = 1.0 - weight
-                variant.update(offset=offset, weight=weight)
-                layer = ghost_reflection(linear, offset, weight)
-            elif model == "focal_blur":
-                variant["sigma"] = uniform(*self.blur_sigma)
-                layer = gaussian_blur(linear, variant["sigma"])
-            else:
-                layer = linear
-            variants.append(variant)
-            layers.append(layer)
-        alphas = torch.tensor([v["alpha_t"] for v in variants], dtype=torch.float32)
-        return variants, torch.stack(layers), alphas
+        source = int(torch.randint(len(self.reflections), (), generator=generator))
+        model = self.models[int(torch.randint(len(self.models), (), generator=generator))]
+        variant = {"source": source, "model": model, "alpha_t": uniform(*self.alpha_t)}
+        if model == "ghost":
+            low, high = self.ghost_offset
+            variant["offset"] = tuple(int(torch.randint(low, high + 1, (), generator=generator)) for _ in range(2))
+            weight = uniform(*self.ghost_weight)
+            if float(torch.rand((), generator=generator)) < 0.5:  # either copy may be the brighter one
+                weight = 1.0 - weight
+            variant["weight"] = weight
+        elif model == "focal_blur":
+            variant["sigma"] = uniform(*self.blur_sigma)
+            variant["att"] = 1.08 + float(torch.rand((), generator=generator)) / 10.0  # official darkening factor
+        return variant
+
+    def reflect(self, x: Tensor, variant: dict) -> Tensor:
+        """One image (C, H, W) in [0, 1] with the reflection `variant` blended in."""
+        r = self.sources[variant["source"]].to(x.device, x.dtype)
+        model, alpha_t = variant["model"], variant["alpha_t"]
+        if model == "focal_blur":
+            t = x.clamp(0.0, 1.0) ** self.gamma
+            mixed = focal_blur_blend(t, gaussian_blur(r, variant["sigma"]), alpha_t, variant["att"],
+                                     self.mask.to(x.device, x.dtype))
+            return mixed ** (1.0 / self.gamma)
+        layer = ghost_reflection(r, variant["offset"], variant["weight"]) if model == "ghost" else r
+        return blend(x, layer, alpha_t, self.gamma)
+
+    def trigger_with(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        """A fresh reflection for each image of the batch, drawn from `generator`."""
+        if len(x) == 0:
+            return x.clone()
+        return torch.stack([self.reflect(image, self.draw(generator)) for image in x])
 
     def apply_trigger(self, x: Tensor) -> Tensor:
-        """Blend variant (i mod num_variants) into the image at batch position i."""
-        which = torch.arange(len(x)) % self.num_variants
-        layers = self.layers[which].to(x.device, x.dtype)
-        alphas = self.alphas[which].to(x.device, x.dtype).view(-1, 1, 1, 1)
-        return blend(x, layers, alphas, self.gamma)
+        """Test-time trigger: a fresh reflection per image from the attack's seeded test stream."""
+        return self.trigger_with(x, self._test_generator)
+
+    def poison_dataset(self, train: Split, generator: torch.Generator, batch_size: int = 1024) -> PoisonedData:
+        """A fresh reflection per poisoned training image, drawn from the run's poisoning stream."""
+        indices = self.poison_indices(train.labels, generator)
+        images, labels = train.images.clone(), train.labels.clone()
+        images[indices] = to_uint8(self.trigger_with(to_float(train.images[indices]), generator))
+        if not self.clean_label:
+            labels[indices] = self.target_rule(labels[indices])
+        return PoisonedData(Split(images, labels), indices)
 
     def describe(self) -> dict:
         return {
@@ -169,7 +215,6 @@ class Refool(Attack):
             "ghost_weight": list(self.ghost_weight),
             "blur_sigma": list(self.blur_sigma),
             "gamma": self.gamma,
-            "num_variants": self.num_variants,
             "seed": self.seed,
         }
 
