@@ -1,7 +1,11 @@
 """Defining properties of BadNets and Blended, and of seeded poisoned-index selection."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from backdoorbench.attacks.badnets import BadNets
 from backdoorbench.attacks.blended import Blended
@@ -10,6 +14,7 @@ from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
 
 COMMON = {"num_classes": 10, "image_shape": (1, 28, 28)}
+CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
 
 
 def random_images(n=8, shape=(1, 28, 28), seed=0):
@@ -28,12 +33,16 @@ def test_badnets_changes_only_its_patch(location, shape):
     assert int(mask.sum()) == 16
 
 
-def test_badnets_default_is_3x3_checkerboard_bottom_right():
-    attack = BadNets(**COMMON)
-    out = attack.apply_trigger(torch.full((1, 1, 28, 28), 0.5))
-    corner = out[0, 0, 25:, 25:]
-    assert torch.equal(corner, torch.tensor([[1.0, 0, 1], [0, 1, 0], [1, 0, 1]]))
-    assert (out[0, 0, :25] == 0.5).all() and (out[0, 0, :, :25] == 0.5).all()
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_badnets_default_is_backdoorbenchs_3x3_white_square_bottom_right(shape):
+    """Issue 13, finding 12: BackdoorBench's trigger_image.png and BackdoorBox's pattern, not a checkerboard."""
+    channels, height, width = shape
+    attack = instantiate(OmegaConf.load(CONF / "badnets.yaml"), num_classes=10, image_shape=shape)
+    out = attack.apply_trigger(torch.full((1, *shape), 0.5))
+    assert torch.equal(out[0, :, height - 3 :, width - 3 :], torch.ones(channels, 3, 3))
+    assert (out[0, :, : height - 3] == 0.5).all() and (out[0, :, :, : width - 3] == 0.5).all()
+    checker = BadNets(**COMMON).apply_trigger(torch.full((1, 1, 28, 28), 0.5))  # the class default
+    assert torch.equal(checker[0, 0, 25:, 25:], torch.tensor([[1.0, 0, 1], [0, 1, 0], [1, 0, 1]]))
 
 
 def test_badnets_rejects_a_patch_outside_the_image():

@@ -341,6 +341,19 @@ def test_trojannn_selects_most_connected_neurons():
     assert torch.equal(select_neurons(model, 3, "outgoing"), outgoing)
 
 
+def test_trojannn_ranks_neurons_by_outgoing_weights_by_default():
+    """Issue 13, finding 12: the official code (fc6 units by their fc7 weights) and BackdoorBench rank
+    the selected layer's units by the weights leaving them."""
+    yaml_attack = instantiate(OmegaConf.load(CONF / "trojannn.yaml"), num_classes=10, image_shape=(1, 28, 28))
+    assert TrojanNN(**common()).connection == yaml_attack.connection == "outgoing"
+    model = trained_surrogate()
+    attack = TrojanNN(**common(patch_size=4, trigger_steps=1, surrogate_epochs=1))
+    attack.prepare(trainer=InstantTrainer(), train=make_split(), generator=torch.Generator().manual_seed(0),
+                   build_model=lambda: copy.deepcopy(model))
+    expected = model.classifier.weight.abs().sum(0).argsort(descending=True)[:2]
+    assert attack.stats["neurons"] == expected.tolist()
+
+
 def test_trojannn_trigger_only_changes_the_mask_and_fires_the_neurons():
     attack = build("trojannn")
     x = torch.rand(5, *SHAPE)
@@ -348,7 +361,8 @@ def test_trojannn_trigger_only_changes_the_mask_and_fires_the_neurons():
     mask = attack.patch_mask()
     assert not changed[~mask].any() and int(mask.sum()) == 16
     before, after = attack.stats["activation_before"], attack.stats["activation_after"]
-    assert sum(after) > sum(before) + 0.1
+    # the optimization drives the selected units up (a unit dead under the patch stays at 0)
+    assert all(a >= b for a, b in zip(after, before)) and sum(after) > sum(before) + 0.05
     state = attack.state_dict()
     fresh = TrojanNN(**common(patch_size=4))
     fresh.load_state_dict(state)

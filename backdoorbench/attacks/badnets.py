@@ -21,10 +21,14 @@ class BadNets(Attack):
 
     A `patch_size` x `patch_size` pattern replaces the pixels at a fixed location of a fraction of
     the training images, whose labels go to the target; at test time the same patch triggers it.
-    Departures: the paper's MNIST trigger is a single-pixel or small white pattern in the corner;
-    our default is a 3x3 black/white checkerboard in the bottom-right corner (the variant most
-    re-implementations use), with size, location and pattern as config values. The patch sits
-    `margin` pixels from the border (default 0).
+    conf/attack/badnets.yaml's default is BackdoorBench's (resource/badnet/trigger_image.png) and
+    BackdoorBox's trigger: a 3x3 white square in the bottom-right corner, no margin; the paper's
+    MNIST triggers are a single white pixel or a small white pattern near the corner. The class
+    default stays the 3x3 black/white checkerboard some re-implementations use, which the defenses'
+    synthetic unit tests are built on (a white corner is matched by their bright clean images).
+    Departure: BackdoorBench resizes its 32x32 trigger image to the dataset (a 6x6 square on
+    64 px Tiny-ImageNet); our patch keeps `patch_size` pixels on any image size. Every value
+    against its source: docs/fidelity_attacks.md#badnets.
     """
 
     name = "badnets"

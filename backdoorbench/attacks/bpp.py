@@ -65,10 +65,13 @@ class Bpp(Attack):
     represented by these residual negatives, as in the official code; the official random
     rotation augmentation is the trainer's business and not added. Negatives are not counted in
     the poisoned indices (they carry no backdoor label); they are in `negative_indices`.
-    Official defaults: squeeze_num 8, injection 0.2, neg 0.2, dithering off (its bool flag can't
-    be turned on from the CLI); the paper's method dithers, and so do we by default. The class
-    default keeps 8 levels; conf/attack/bpp.yaml uses 2, because MNIST digits are nearly binary
-    and 8 levels change few of their pixels (on mnist5k, 10 epochs: ASR 1.9% with 8, 99% with 2).
+    Official defaults (config.py): squeeze_num 8, injection 0.2, neg 0.2, dithering off; its README
+    command runs squeeze_num 32. The dithering flag is argparse `type=bool`, so any value given on
+    the command line, even `--dithering False`, turns it on: it can be turned on, never off once
+    passed. The paper's method dithers, and so do we by default. The class default keeps 8
+    levels; conf/attack/bpp.yaml uses 2, because MNIST digits are nearly binary and 8 levels
+    change few of their pixels (on mnist5k, 10 epochs: ASR 1.9% with 8, 99% with 2). Every value
+    against its source: docs/fidelity_attacks.md#bpp.
     """
 
     name = "bpp"

@@ -23,20 +23,23 @@ class TrojanNN(Attack):
 
     The trigger is a patch in a fixed mask (a `patch_size` square at `location`) whose pixels are
     optimized on a clean surrogate so that the `num_neurons` most connected neurons of the
-    penultimate layer (the output of `model.features`) reach `neuron_target`: the paper selects
-    neurons by the summed |weights| linking them to the previous layer (`connection=incoming`,
-    here the last Linear/Conv2d inside `features`); `outgoing` ranks them by their summed |weights|
-    into the classifier, as BackdoorBench and TrojanZoo do. The patch replaces the masked pixels
-    of a fraction of the training images, which are relabelled by the target rule.
+    penultimate layer (the output of `model.features`) reach `neuron_target`. Neurons are ranked
+    by the summed |weights| leaving them into the next layer (`connection=outgoing`, here the
+    classifier), as the official code does (get_neuron_idx_from_weight.py ranks fc6 units by
+    their fc7 weights) and BackdoorBench (the last Linear's weights summed over its outputs);
+    `incoming` ranks them by the weights from the previous layer (the last Linear/Conv2d inside
+    `features`). The patch replaces the masked pixels of a fraction of the training images,
+    which are relabelled by the target rule.
 
     Departures: the paper then retrains the victim model itself on inputs reverse-engineered from
     it, stamped with the trigger; we poison the training data with the optimized patch instead
     (the benchmark's threat model: the attacker supplies data, the victim trains from scratch), so
     the patch comes from a surrogate of the same architecture trained on the clean split for
-    `surrogate_epochs`. The patch is optimized from a seeded uniform start on a black background
-    by sign-gradient descent on the squared distance to `neuron_target` (`trigger_steps` steps of
-    `trigger_lr`), i.e. the paper's objective with BackdoorBench's optimizer; the paper's square
-    and watermark masks become a square here.
+    `surrogate_epochs` (BackdoorBench: a fully trained clean model). The patch is optimized from a
+    seeded uniform start on a black background by sign-gradient descent on the squared distance
+    to `neuron_target` (`trigger_steps` steps of `trigger_lr`; BackdoorBench: 1000 steps of 0.1
+    within 0.3 of its mask image); the paper's square, Apple-logo and watermark masks become a
+    square here. Every value against its source: docs/fidelity_attacks.md#trojannn.
     """
 
     name = "trojannn"
@@ -48,7 +51,7 @@ class TrojanNN(Attack):
         location: str | Sequence[int] = "bottom_right",
         margin: int = 0,
         num_neurons: int = 2,
-        connection: str = "incoming",
+        connection: str = "outgoing",
         neuron_target: float = 100.0,
         trigger_steps: int = 300,
         trigger_lr: float = 0.02,
@@ -190,8 +193,9 @@ def feature_layer(model: nn.Module) -> nn.Module:
 
 
 def select_neurons(model: nn.Module, count: int, connection: str = "incoming", feature_dim: int | None = None) -> Tensor:
-    """Indices of the `count` penultimate units with the largest summed |weights|: from the
-    previous layer (`incoming`, the paper) or into the classifier (`outgoing`, BackdoorBench)."""
+    """Indices of the `count` penultimate units with the largest summed |weights|: into the
+    classifier (`outgoing`, the official code and BackdoorBench) or from the previous layer
+    (`incoming`)."""
     if connection == "incoming":
         weight = feature_layer(model).weight.detach().abs()
         strength = weight.flatten(1).sum(1)  # (out,): sum over inputs (and kernel taps)
