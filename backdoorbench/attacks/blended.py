@@ -17,7 +17,8 @@ class Blended(Attack):
     label goes to the target. Departures: the paper blends a Hello Kitty image or random noise;
     our default pattern is scikit-image's `chelsea` cat photo (it ships offline), resized to the
     image size and converted to gray for 1-channel data; `pattern` takes any image file,
-    another scikit-image sample, or `random`. Default alpha 0.2 (the paper trains with 0.2).
+    another scikit-image sample, or `random`. Default alpha 0.2 in training and at test time, as
+    BackdoorBench. Every value against its source: docs/fidelity_attacks.md#blended.
     """
 
     name = "blended"
