@@ -221,6 +221,22 @@ def test_lc_pgd_stays_within_eps_and_raises_the_loss():
         assert F.cross_entropy(model(adv), y) > F.cross_entropy(model(x), y) + 0.05
 
 
+def test_lc_l2_pgd_stays_in_each_images_l2_ball_and_raises_the_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(256, CLASSES))
+    attack = LabelConsistent(**common(eps=1.5, norm="l2", pgd_steps=5))
+    x = torch.rand(16, *SHAPE)
+    y = torch.arange(16) % CLASSES
+    adv = attack.perturb(model, x, y)
+    assert float((adv - x).flatten(1).norm(dim=1).max()) <= 1.5 + 1e-4
+    assert float((adv - x).abs().max()) > 0.05  # not an L_inf step of eps / steps
+    assert adv.min() >= 0 and adv.max() <= 1
+    with torch.no_grad():
+        assert F.cross_entropy(model(adv), y) > F.cross_entropy(model(x), y) + 0.05
+    with pytest.raises(ConfigError, match="attack.norm='l1'"):
+        LabelConsistent(**common(norm="l1"))
+
+
 def test_lc_corner_trigger_pixels():
     full = LabelConsistent(**common())
     x = torch.full((1, *SHAPE), 0.5)
@@ -248,7 +264,8 @@ def test_lc_poisoned_images_are_pgd_within_eps_plus_trigger():
     diff = (to_float(poisoned.split.images[i]) - to_float(split.images[i]))[..., off_trigger]
     assert diff.abs().max() <= 8 / 255 + 0.5 / 255 + 1e-6  # eps, plus uint8 rounding
     assert diff.abs().max() > 4 / 255  # PGD did move the pixels
-    assert "surrogate_acc_perturbed" in attack.describe()
+    stats = attack.describe()
+    assert stats["surrogate_error_hardened"] == pytest.approx(1 - stats["surrogate_acc_perturbed"])
 
 
 def test_lc_prepare_trains_the_surrogate_with_the_trainer():
@@ -259,6 +276,17 @@ def test_lc_prepare_trains_the_surrogate_with_the_trainer():
                    build_model=tiny_model)
     assert 0 <= attack.stats["surrogate_train_acc"] <= 1
     assert attack.poison_dataset(make_split(), torch.Generator().manual_seed(0)).indices.numel() == 4  # 0.2 of 20
+
+
+def test_lc_defaults_harden_against_an_adversarially_trained_surrogate_as_backdoorbench():
+    """Issue 13, finding 7: BackdoorBench's CIFAR-10 recipe (PGD 8/255, step 1.5/255, 100 steps) against
+    a PGD-trained surrogate (8/255, step 2/255, 10 steps), not 16/255 against a clean one."""
+    for attack in (LabelConsistent(**common()),
+                   instantiate(OmegaConf.load(CONF / "label_consistent.yaml"), num_classes=10, image_shape=(3, 32, 32))):
+        assert attack.norm == "linf" and attack.eps == pytest.approx(8 / 255) and attack.pgd_steps == 100
+        assert attack.step_size == pytest.approx(1.5 / 255)
+        assert attack.surrogate_adv_eps == pytest.approx(8 / 255) and attack.surrogate_adv_steps == 10
+        assert 2.5 * attack.surrogate_adv_eps / attack.surrogate_adv_steps == pytest.approx(2 / 255)
 
 
 def test_lc_needs_prepare():
