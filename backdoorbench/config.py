@@ -62,7 +62,7 @@ class RunSchema:
     eval: EvalSchema = field(default_factory=EvalSchema)
     seed: int = 0
     device: str = "auto"
-    results_dir: str = "results"
+    results_dir: str = "outputs"  # never the committed results/: those are made with results_dir=results
     cache: bool = True  # reuse a victim trained before with the same dataset/model/attack/trainer/seed
     cache_dir: Optional[str] = None  # null = <results_dir>/cache/victims
 

@@ -27,7 +27,7 @@ from typing import Any
 from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.fileio import atomic_write_text, ensure_writable_dir
-from backdoorbench.records import RecordError, RunRecord, load_record
+from backdoorbench.records import RecordError, RunRecord, latest_repeats, load_record
 
 TARGET_MODES = ("all2one", "all2all")
 FILTERS = ("dataset", "model", "target_mode")
@@ -122,14 +122,15 @@ class Row:
 
 
 def load_records_with_paths(results_dir: Path) -> list[tuple[RunRecord, Path]]:
-    """Every readable record under `<results_dir>/runs/` with its path; one warning per file that is not."""
+    """Every readable record under `<results_dir>/runs/` with its path; one warning per file that is
+    not. A config run more than once (`<run_id>.<n>.json`) counts once: its latest repeat."""
     records = []
     for path in sorted((Path(results_dir) / "runs").rglob("*.json")):
         try:
             records.append((load_record(path), path))
         except RecordError as exc:
             warnings.warn(f"skipping record {exc}", stacklevel=2)
-    return records
+    return latest_repeats(records)
 
 
 def load_records(results_dir: Path) -> list[RunRecord]:

@@ -31,13 +31,13 @@ from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
 from backdoorbench.defenses.runner import run_defense
-from backdoorbench.errors import ConfigError, UserError
-from backdoorbench.fileio import ensure_writable_dir
+from backdoorbench.errors import ConfigError, DataError, UserError
+from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
 from backdoorbench.metrics.robustness import pgd_accuracy
 from backdoorbench.metrics.stealth import stealth_metrics
 from backdoorbench.models.base import Normalized
-from backdoorbench.records import RunRecord, save_record
+from backdoorbench.records import RunRecord, next_repeat, repeat_path, save_record
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,37 @@ def remove_checkpoints(folder: Path) -> None:
         folder.parent.rmdir()  # when no other run is unfinished
 
 
+PREPARE_FORMAT = "backdoorbench.prepare_checkpoint.v1"
+
+
+def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generator: torch.Generator, build_model) -> None:
+    """`attack.prepare(...)`, or its result restored from `checkpoint` when a killed run already
+    computed it (e.g. Input-aware's mask pre-training). What prepare leaves behind (its result,
+    the global RNG state that the victim's initialization draws from next, its logged epochs) is
+    saved there when the attack has a `prepare_state`, so the resumed run goes on exactly."""
+    where = f"checkpoint {str(checkpoint)!r}"
+    if checkpoint.exists():
+        try:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated zip, a foreign pickle, ...: torch raises many types
+            raise DataError(f"{where} cannot be read ({type(exc).__name__}); delete it to train from scratch") from exc
+        if not isinstance(state, dict) or state.get("format") != PREPARE_FORMAT or state.get("attack_name") != attack.name:
+            raise DataError(f"{where} is not {attack.name}'s saved preparation; delete it or give another path")
+        attack.load_prepare_state(state["attack"])
+        torch.set_rng_state(state["torch_rng"])
+        generator.set_state(state["generator"])
+        for row in state["attack"].get("history", []):
+            if trainer.on_epoch is not None:
+                trainer.on_epoch(row)  # the killed run's logger never wrote them
+        log.info("%s: preparation restored from %s", attack.name, checkpoint)
+        return
+    attack.prepare(trainer=trainer, train=train, generator=generator, build_model=build_model)
+    prepared = attack.prepare_state()
+    if prepared is not None and distributed.is_main():
+        atomic_torch_save({"format": PREPARE_FORMAT, "attack_name": attack.name, "attack": prepared,
+                           "torch_rng": torch.get_rng_state(), "generator": generator.get_state()}, checkpoint)
+
+
 def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack,
                   trainer, timings: dict[str, float], results_dir: Path) -> tuple[dict[str, Any], Any, Normalized]:
     """The attacked model: from the victim cache when an identical one was trained before (the
@@ -227,17 +258,14 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
                 return ({"cache": "hit", "key": key, "path": str(cache.path), "train_s": hit.train_s,
                          "poison_s": hit.poison_s, "trained_by": hit.trained_by}, hit.poisoned, model)
             torch.set_rng_state(rng)  # a miss draws exactly what a run without the cache draws
+        checkpoints = results_dir / "checkpoints" / (key if cache is not None else run_id)
         with timed(timings, "poison"):
-            attack.prepare(trainer=trainer, train=data.train, generator=stream(seed, "attack"),
-                           build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
+            prepare_attack(attack, checkpoints / "prepare.pt", trainer=trainer, train=data.train,
+                           generator=stream(seed, "attack"), build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
             poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
         model = build_model(cfg, data)  # after prepare, as without a cache: the same global RNG draws
-        checkpoints = results_dir / "checkpoints" / (key if cache is not None else run_id)
         with timed(timings, "train"):
-            if attack.resumable:
-                attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"), checkpoint=checkpoints / "victim.pt")
-            else:
-                attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
+            attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"), checkpoint=checkpoints / "victim.pt")
         if cache is None:
             return {"cache": "off", "key": key}, poisoned, model
         if distributed.is_main():
@@ -350,14 +378,30 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     )
     if not distributed.is_main():
         return record, None
-    path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
-    record.artifacts = write_beside_record(path, artifacts)  # before the record: it never names a missing file
-    save_record(record, path)
+    path = write_new_record(record, artifacts, results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}")
     remove_checkpoints(results_dir / "checkpoints" / run_id)  # cache off: kept until the record is safe
     if logger is not None:
         logger.log_summary(record.to_dict())
         logger.finish(path)
     return record, path
+
+
+def write_new_record(record: RunRecord, artifacts: dict[str, Any], folder: Path) -> Path:
+    """Write the record (and its artifacts first, so it never names a missing file) under the first
+    free repeat of its run id in `folder`; return its path. Nothing of another run is replaced:
+    a name taken meanwhile (the same config finishing at the same moment elsewhere) moves this
+    run on to the next repeat."""
+    while True:
+        record.repeat = next_repeat(folder, record.run_id)
+        path = repeat_path(folder, record.run_id, record.repeat)
+        written = None
+        try:
+            record.artifacts = written = write_beside_record(path, artifacts)
+            return save_record(record, path, exclusive=True)
+        except FileExistsError:
+            if written is not None:
+                (folder / written).unlink(missing_ok=True)  # ours: the record that claimed the name is not
+            continue
 
 
 def summary_table(record: RunRecord, path: Path) -> str:

@@ -262,6 +262,7 @@ class Trainer:
         desc: str = "train",
         on_epoch: EpochCallback | None = None,
         checkpoint: str | Path | None = None,
+        companion: Any = None,
     ) -> list[dict[str, Any]]:
         """Train `model` on `split`; returns one dict per epoch (loss, accuracy, lr, seconds).
 
@@ -270,8 +271,9 @@ class Trainer:
         `checkpoint`: a file written (atomically) after every epoch with the model, optimizer,
         schedule, generator and global RNG states; if it exists when fit starts, training goes
         on from the epoch after it, ending exactly where an uninterrupted fit would (bit-exact
-        on the CPU). State a `step` keeps outside the model (e.g. a trigger generator's own
-        optimizer) is not in it. Epochs restored from it are passed to `on_epoch` once more, at
+        on the CPU). State a `step` keeps outside the model (a trigger generator, its optimizer,
+        the attack's own random stream) is saved with it when `companion` is given: an object
+        with `training_state() -> dict` and `load_training_state(dict)`. Epochs restored from it are passed to `on_epoch` once more, at
         the start, because the process that logged them first is gone (a killed run's logger never
         wrote them), so the resumed run's log holds every epoch.
         """
@@ -299,7 +301,8 @@ class Trainer:
         if checkpoint is not None:
             checkpoint = Path(checkpoint).expanduser()
             if checkpoint.exists():
-                done, history = load_checkpoint(checkpoint, meta, model, optimizer, scheduler, generator, extra)
+                done, history = load_checkpoint(checkpoint, meta, model, optimizer, scheduler, generator, extra,
+                                                companion=companion)
                 log.info("%s: resumed from %s after epoch %d of %d", desc, checkpoint, done, epochs)
                 replay = on_epoch or self.on_epoch
                 if replay is not None:
@@ -372,7 +375,8 @@ class Trainer:
             scheduler.step()
             history.append(row)
             if checkpoint is not None and distributed.is_main():
-                save_checkpoint(checkpoint, meta, epoch, model, optimizer, scheduler, generator, extra, history)
+                save_checkpoint(checkpoint, meta, epoch, model, optimizer, scheduler, generator, extra, history,
+                                companion=companion)
             callback = on_epoch or self.on_epoch
             if callback is not None:
                 callback(row)
@@ -408,9 +412,12 @@ def save_checkpoint(
     generator: torch.Generator,
     extra_params: list[nn.Parameter],
     history: list[dict[str, Any]],
+    *,
+    companion: Any = None,
 ) -> None:
     """Write the state after `epoch` to a temp file beside `path`, then rename it over `path`,
-    so a crash mid-write leaves the previous epoch's checkpoint intact."""
+    so a crash mid-write leaves the previous epoch's checkpoint intact. `companion`'s
+    `training_state()` (e.g. a training-controlled attack's generator) is saved with it."""
     state = {
         "format": CHECKPOINT_FORMAT,
         "meta": meta,
@@ -423,6 +430,7 @@ def save_checkpoint(
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
         "extra_params": [p.detach().cpu() for p in extra_params],
         "history": history,
+        "companion": companion.training_state() if companion is not None else None,
     }
     atomic_torch_save(state, path)
 
@@ -435,6 +443,8 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     generator: torch.Generator,
     extra_params: list[nn.Parameter],
+    *,
+    companion: Any = None,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Restore everything `save_checkpoint` wrote; return (epochs done, their history rows).
     Anything unreadable or written by a different fit is one DataError line."""
@@ -457,6 +467,10 @@ def load_checkpoint(
         with torch.no_grad():
             for param, saved in zip(extra_params, state["extra_params"]):
                 param.copy_(saved)
+        if (state.get("companion") is None) != (companion is None):
+            raise ValueError("the checkpoint's training-time attack state does not match this fit's")
+        if companion is not None:
+            companion.load_training_state(state["companion"])
         generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] and torch.cuda.is_available():
