@@ -29,6 +29,7 @@ from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
 from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
+from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
 from backdoorbench.defenses.runner import run_defense
 from backdoorbench.errors import ConfigError, DataError, UserError
@@ -64,17 +65,66 @@ def config_hash(config: dict[str, Any], drop: tuple[str, ...]) -> str:
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Checks that need no data: run before Hydra writes anything, and again at the start of a run."""
+    """Every check that needs no data: run by the command line before Hydra writes anything, and
+    again at the start of a run, before any data loads or any model trains. Beyond the ranges
+    here, the attack, defense, trainer and model are built once as a dry run against what the
+    dataset's config says about its data (classes, image shape, class counts: datasets/spec.py),
+    so their own checks (names, ranges, files, timm model names, attack x dataset) refuse now."""
     checks.integer("", "seed", cfg.seed, 0)
     checks.integer("trainer", "epochs", cfg.trainer.epochs, 0)
     if cfg.attack.get("poison_rate") is not None:  # absent: the attack has no poison rate
         checks.number("attack", "poison_rate", cfg.attack.poison_rate, 0, 1, low_open=True)
     target = cfg.attack.get("target")
-    # The number of classes comes with the dataset, later; the attack checks the upper bound then.
+    # The dry build below checks the upper bound, where the dataset's number of classes is known.
     if target is not None and (not checks.is_integer(target) or target < 0):
         raise ConfigError(f"attack.target={target!r} is out of range; use an integer class index >= 0")
     checks.integer("eval", "stealth_images", cfg.eval.stealth_images, 0, hint="0 = skip")
-    ensure_writable_dir(cfg.results_dir)
+    _check_pgd(cfg.eval.pgd)
+    _check_device(cfg.device)
+    _dry_build(cfg)
+    ensure_writable_dir(cfg.results_dir)  # last: it makes the folder, which a refused run must not
+
+
+def _check_pgd(pgd: DictConfig) -> None:
+    """The PGD settings, checked even while PGD is off (turning it on later must not fail late)."""
+    checks.number("eval.pgd", "eps", pgd.eps, 0, 1, hint="pixel units")
+    checks.integer("eval.pgd", "steps", pgd.steps, 1)
+    checks.number("eval.pgd", "step_size", pgd.step_size, 0, low_open=True, allow_none=True, hint="null = 2.5 * eps / steps")
+    checks.integer("eval.pgd", "images", pgd.images, 1)
+    checks.integer("eval.pgd", "seed", pgd.seed, 0)
+
+
+def _check_device(device: str) -> None:
+    """The device's spelling only: whether a GPU is visible is checked where the run executes (a
+    Slurm job's node, not the login node that submits it)."""
+    if device == "auto":
+        return
+    try:
+        torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device={device!r} is not a device; use auto, cpu, cuda or cuda:N") from exc
+
+
+def _dry_build(cfg: DictConfig) -> None:
+    """Build attack, defense, trainer and model from `cfg` without data, and check how many samples
+    the attack may poison when the dataset's class counts are known; the objects are discarded.
+    Nothing is drawn from the global random state (the run's streams stay as without this)."""
+    spec = dataset_spec(cfg.dataset)
+    if spec is None:  # a loader we know nothing about: its data answers these checks later
+        return
+    with torch.random.fork_rng(devices=[]):
+        attack = build(cfg.attack, num_classes=spec.num_classes, image_shape=spec.image_shape)
+        labels = spec.train_labels()
+        if labels is not None:
+            attack.poison_indices(labels, torch.Generator().manual_seed(0))
+        if cfg.defense is not None:
+            build(cfg.defense)
+        if distributed.launched_world_size() <= 1:
+            # Under torchrun building a Trainer joins the process group, with the run's device only.
+            build(cfg.trainer, device="cpu", crop_padding=cfg.dataset.get("crop_padding", 0), hflip=False)
+        channels, height, _ = spec.image_shape
+        with torch.device("meta"):  # shapes and names only: no memory, no initialization
+            build(cfg.model, in_channels=channels, num_classes=spec.num_classes, image_size=height)
 
 
 @contextmanager
@@ -289,15 +339,16 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     timings: dict[str, float] = {}
     started = time.perf_counter()
     torch.manual_seed(seed)
-    logger = build(cfg.logger) if cfg.logger is not None and distributed.is_main() else None
-    if logger is not None:
-        logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
-
     with timed(timings, "data"):
         data: ImageDataset = build(cfg.dataset)
     attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
     defense: Defense | None = build(cfg.defense) if cfg.defense is not None else None
     trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
+    # The logger starts (and may write, e.g. wandb's folder) once everything that can refuse the
+    # run without training has.
+    logger = build(cfg.logger) if cfg.logger is not None and distributed.is_main() else None
+    if logger is not None:
+        logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
     log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
              data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)

@@ -1,10 +1,13 @@
 """The catalogue of hostile or broken input. Each case is a real `python -m backdoorbench` call that
 must print exactly one line on stderr, `error: ...` naming the problem, exit with code 2, and
-write nothing: no record, no Hydra output folder, not even the results folder it was given.
+write nothing: no record, no Hydra output folder, no cache entry or lock file, not even the
+results folder it was given.
 
-Some cases fail in the preflight (before Hydra starts), others only once the run has started
-(a value the attack checks, a dataset file, the loss turning NaN): those must clean up what Hydra
-had already written for them.
+Every value that can be checked without data is refused by the preflight, before Hydra starts,
+before any data loads or any model trains (`test_refused_before_any_data_or_training` proves it
+with loaders and trainer that fail when called). Only what is in the data files (DATA_CASES) or
+in training itself (the loss turning NaN) is refused later; those runs clean up what Hydra had
+already written for them.
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ CASES: list[tuple[str, Setup, str]] = [
     ("lira eps above 1", fixed("attack=lira", "attack.eps=2"), "attack.eps=2 is out of range; use a number in (0.0, 1.0]"),
     ("lira test eps", fixed("attack=lira", "attack.test_eps=1.5"), "attack.test_eps=1.5 is out of range"),
     ("wb eps negative", fixed("attack=wb", "attack.eps=-0.1"), "attack.eps=-0.1 is out of range"),
+    ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
+    # attack x dataset: known from the dataset's config (mnist5k: 400 training images per class)
+    ("clean-label rate above the target class share", fixed("attack=sig", "attack.poison_rate=0.2"),
+     "attack.poison_rate=0.2 asks for 800 poisoned samples but only 400 of 4000 are eligible"),
+    # names
+    ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
     ("pattern file missing", fixed("attack=blended", "attack.pattern=/no/such/file.png"),
      "pattern '/no/such/file.png' is neither"),
@@ -90,6 +99,10 @@ CASES: list[tuple[str, Setup, str]] = [
 
 # More values of the same kinds, refused by the same preflight code as a CLI case above: checked
 # in-process (a CLI call costs seconds, most of it importing torch), with the same one-line message.
+# Refused by the data itself (its files) or by training: the only cases allowed past the preflight.
+DATA_CASES = {"dataset of the wrong shape", "dataset labels out of range"}
+TRAINING_CASES = {"NaN loss"}
+
 PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["nosuchkey=1"], "Could not override 'nosuchkey'"),
     (["defense=nope"], "unknown defense 'nope'; choose one of: "),
@@ -100,6 +113,17 @@ PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["attack.poison_rate=1.5"], "attack.poison_rate=1.5 is out of range"),
     (["attack.target=-1"], "attack.target=-1 is out of range"),
     (["--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=two"], "hydra.launcher.n_jobs=two"),
+    (["eval.pgd.steps=0"], "eval.pgd.steps=0 is invalid; use an integer >= 1"),
+    (["eval.pgd.step_size=0"], "eval.pgd.step_size=0.0 is invalid"),
+    (["device=gpu"], "device='gpu' is not a device; use auto, cpu, cuda or cuda:N"),
+    (["dataset.test_per_class=500"], "dataset.test_per_class=500 is out of range; use an integer in [1, 499]"),
+    (["dataset=cifar10", "attack=label_consistent", "attack.poison_rate=0.15"],
+     "attack.poison_rate=0.15 asks for 7500 poisoned samples but only 5000 of 50000 are eligible"),
+    (["dataset=cifar10", "attack=wanet", "attack.k=33"], "attack.k=33 is out of range; use an integer in [2, 32]"),
+    (["dataset=tiny_imagenet", "attack.target=200"], "attack.target=200 is out of range; use an integer in [0, 199]"),
+    (["attack=input_aware", "attack.depth=3"], "attack.depth=3 does not fit 28x28 images"),
+    (["model=timm", "model.name=resnet18", "model.weights=/no/such/weights.pt"], "model.weights='/no/such/weights.pt' does not exist"),
+    (["trainer.batch_size=0"], "trainer.batch_size=0 is invalid"),
 ]
 
 
@@ -124,16 +148,65 @@ def assert_refused(proc, fragment: str) -> str:
 
 
 @pytest.mark.parametrize("setup,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, setup, fragment):
+def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, setup, fragment, request):
     results = tmp_path / "results"  # does not exist yet: a refused run must not even create it
     proc = run_cli("trainer.epochs=0", "eval.stealth_images=0", *setup(tmp_path), f"results_dir={results}")
     assert_refused(proc, fragment)
     left = sorted(str(p.relative_to(results)) for p in results.rglob("*")) if results.exists() else []
-    # The one exception: a run that got as far as the victim cache leaves that victim's empty lock
-    # file (cache/victims/<key>.lock). Lock files stay by design: deleting one while another process
-    # waits on it would let a third process lock a new file and train the same victim in parallel.
-    locks = [p for p in left if p.startswith("cache/victims/") and p.endswith(".lock") and (results / p).stat().st_size == 0]
-    assert [p for p in left if p not in locks and p not in ("cache", "cache/victims")] == [], left
+    if request.node.callspec.id in TRAINING_CASES:
+        # The one exception: a run that got as far as training holds the victim cache's lock, and
+        # its empty lock file (cache/victims/<key>.lock) stays by design: deleting one while another
+        # process waits on it would let a third lock a new file and train the same victim in parallel.
+        left = [p for p in left if p not in ("cache", "cache/victims") and not (
+            p.startswith("cache/victims/") and p.endswith(".lock") and (results / p).stat().st_size == 0)]
+    assert left == [], left
+
+
+BEFORE_DATA = [c for c in CASES if c[0] not in DATA_CASES | TRAINING_CASES]
+
+
+@pytest.fixture
+def no_data_no_training(monkeypatch):
+    """Every dataset loader, the trainer and the attacks' preparation fail loudly when called."""
+    import importlib
+
+    from backdoorbench.attacks.base import Attack
+    from backdoorbench.datasets.spec import SPECS
+    from backdoorbench.train import Trainer
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("data loaded or a model trained before the input was checked")
+
+    for target in SPECS:
+        module, name = target.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), name, forbidden)
+    for cls, method in ((Trainer, "fit"), (Attack, "prepare"), (Attack, "poison_dataset")):
+        monkeypatch.setattr(cls, method, forbidden)
+
+
+@pytest.mark.parametrize("setup,fragment", [c[1:] for c in BEFORE_DATA], ids=[c[0] for c in BEFORE_DATA])
+def test_refused_before_any_data_or_training(tmp_path, setup, fragment, no_data_no_training, compose_cfg):
+    from backdoorbench.cli import preflight
+    from backdoorbench.errors import UserError
+    from backdoorbench.pipeline import run
+
+    results = tmp_path / "results"
+    args = ["trainer.epochs=0", "eval.stealth_images=0", *setup(tmp_path), f"results_dir={results}"]
+    with pytest.raises(UserError) as info:  # the command line's check, before Hydra starts
+        preflight(args)
+    assert fragment in str(info.value)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose_cfg(*[a for a in args if not a.startswith("-")])
+    except (HydraException, OmegaConfBaseException):
+        cfg = None  # Hydra itself refuses it: no run can start
+    if cfg is not None:  # a run handed such a config (e.g. by a launcher) refuses it first thing too
+        with pytest.raises(UserError) as info:
+            run(cfg)
+        assert fragment in str(info.value)
+    assert not results.exists()
 
 
 def test_results_dir_under_a_file_cannot_be_written(tmp_path):
