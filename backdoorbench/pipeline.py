@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timezone
 from pathlib import Path
@@ -123,7 +124,10 @@ def _dry_build(cfg: DictConfig) -> None:
             # Under torchrun building a Trainer joins the process group, with the run's device only.
             build(cfg.trainer, device="cpu", crop_padding=cfg.dataset.get("crop_padding", 0), hflip=False)
         channels, height, _ = spec.image_shape
-        with torch.device("meta"):  # shapes and names only: no memory, no initialization
+        with torch.device("meta"), warnings.catch_warnings():  # shapes and names only: no memory, no init
+            # model.weights are read and checked against the shapes; copying them into meta tensors
+            # does nothing, and torch says so once per tensor
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
             build(cfg.model, in_channels=channels, num_classes=spec.num_classes, image_size=height)
 
 
