@@ -179,3 +179,21 @@ def test_an_unexpected_crash_after_training_leaves_no_record(tmp_path, compose_c
         run(cfg)
     assert files_under(tmp_path / "runs") == []  # no record, and no epochs.csv: the logger writes
     # only beside a finished record
+
+
+def test_a_broken_or_foreign_prepare_checkpoint_is_one_line(tmp_path):
+    from backdoorbench.attacks.input_aware import InputAware
+    from backdoorbench.errors import DataError
+    from backdoorbench.pipeline import prepare_attack
+
+    attack = InputAware(num_classes=10, image_shape=(1, 28, 28), channels=4, depth=1)
+    path = tmp_path / "prepare.pt"
+    for content, message in ((b"not a zip", "cannot be read"), (None, "is not input_aware's saved preparation")):
+        if content is None:
+            torch.save({"format": "something else"}, path)
+        else:
+            path.write_bytes(content)
+        with pytest.raises(DataError, match=message) as info:
+            prepare_attack(attack, path, trainer=None, train=None, generator=torch.Generator(), build_model=None)
+        assert "\n" not in str(info.value) and "delete it" in str(info.value)
+    assert not attack.mask_ready  # nothing was restored from either file
