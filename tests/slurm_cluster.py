@@ -26,7 +26,7 @@ from pathlib import Path
 # The binaries, and the Debian packages that hold them (what .ci/run installs when one is missing).
 BINARIES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "slurmdbd": "slurmdbd", "sbatch": "slurm-client",
             "munged": "munge", "mariadbd": "mariadb-server", "mariadb-install-db": "mariadb-server",
-            "mariadb": "mariadb-client"}
+            "mariadb": "mariadb-server"}
 PARTITION = "bbtest"
 CLUSTER = "bbtest"
 PORTS = {"slurmctld": 6817, "slurmd": 6818, "slurmdbd": 6819}
