@@ -142,7 +142,8 @@ StorageLoc=slurm_acct_db
         busy = [f"{name} ({port})" for name, port in PORTS.items() if port_in_use(port)]
         if busy:
             raise SlurmUnavailable(f"port in use on 127.0.0.1: {', '.join(busy)}; another Slurm is running")
-        host, _, memory_mb = node_resources()
+        host, cpus, memory_mb = node_resources()
+        self.cpus = min(self.cpus, cpus)  # more than the machine has would leave the node drained
         self.root = Path(tempfile.mkdtemp(prefix="backdoorbench-slurm-"))
         self.root.chmod(0o755)  # munged and mariadbd run as their own users below it
         for folder in ("state", "spool", "run", "log", "etc"):

@@ -2,11 +2,13 @@
 slurmdbd, MariaDB, munged on localhost; tests/slurm_cluster.py): every job writes its record; a job
 over its time limit is signalled, requeued by submitit, resumes from its checkpoint and ends with
 exactly the metrics of an uninterrupted run; a job failing with a user error says so in one line
-and leaves the sweep's other jobs to finish. Marked `slurm`; skipped where Slurm can't start."""
+and leaves the sweep's other jobs to finish. Those are marked `slurm` (run with `-m slurm`) and
+skipped, with the reason, where Slurm can't start; what that reason says is tested without Slurm."""
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import subprocess
@@ -19,14 +21,23 @@ from omegaconf import OmegaConf
 
 from backdoorbench.records import load_record
 from tests.conftest import ROOT
-from tests.slurm_cluster import PARTITION
-
-pytestmark = pytest.mark.slurm
+from tests.slurm_cluster import PARTITION, SlurmCluster, SlurmUnavailable
 
 # What a CPU-only test node offers; the rest of submitit_slurm.yaml is as a user gets it.
 SLURM = ("--multirun", "hydra/launcher=submitit_slurm", f"hydra.launcher.partition={PARTITION}",
          "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2")
 QUIET = ("eval.stealth_images=0", "logger=none", "trainer.progress=false")
+
+
+def test_without_slurm_the_cluster_refuses_to_start_with_the_packages_to_install(monkeypatch):
+    # What the tests' skip (or, under CI=true, failure) says on a machine without Slurm.
+    monkeypatch.setattr("tests.slurm_cluster.os.geteuid", lambda: 0)
+    monkeypatch.setattr("tests.slurm_cluster.shutil.which", lambda name, path=None: None)
+    cluster = SlurmCluster()
+    with pytest.raises(SlurmUnavailable, match=r"slurmctld, slurmd, .* not found; install the Debian packages "
+                                               r"mariadb-server munge slurm-client slurmctld slurmd slurmdbd$"):
+        cluster.start()
+    assert cluster.root is None and cluster.daemons == {}  # nothing started, no folder made
 
 
 def sweep(cluster, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -78,6 +89,7 @@ def final_states(cluster, jobs, timeout: float = 300) -> dict[str, list[str]]:
         time.sleep(1)
 
 
+@pytest.mark.slurm
 def test_a_two_job_sweep_runs_as_slurm_jobs_and_each_writes_its_record(slurm_cluster, tmp_path):
     proc = sweep(slurm_cluster, *SLURM, "seed=0,1", "trainer.epochs=1", *QUIET, f"results_dir={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -94,6 +106,7 @@ def test_a_two_job_sweep_runs_as_slurm_jobs_and_each_writes_its_record(slurm_clu
     assert all(states[task] == ["COMPLETED"] for task in logs), states
 
 
+@pytest.mark.slurm
 def test_a_job_failing_with_a_user_error_says_so_in_one_line_and_the_others_finish(slurm_cluster, tmp_path):
     # A learning rate that turns the loss NaN: an error only training can reveal (the preflight
     # passes it). It is the sweep's first job, the one the submitting process waits for first.
@@ -117,12 +130,22 @@ def test_a_job_failing_with_a_user_error_says_so_in_one_line_and_the_others_fini
 
 # Slurm checks time limits every 30 s (slurmctld's PERIODIC_TIMEOUT) and sends the warning signal
 # up to 30 s early: with a 1-minute limit and USR2 10 s before it, submitit's handler is signalled
-# 20 to 50 s into a run (Slurm would kill it 60 to 90 s in). A run of RESUME_EPOCHS takes over a
-# minute on a 2-core machine (about 1 s per epoch of 1,000 images), so it is always signalled at
-# least once; each requeued run gets the same window and resumes where the one before stopped.
-RESUME_EPOCHS = 50
-RESUME = (f"trainer.epochs={RESUME_EPOCHS}", "dataset.test_per_class=400", *QUIET)
+# 20 to 50 s into a run (Slurm would kill it 60 to 90 s in). The victim's training is sized to take
+# RESUME_TRAIN_S on this machine as loaded now (measured by a 2-epoch run), so that every run is
+# signalled at least once, however fast the machine, while the requeues stay few, however slow.
+RESUME_TRAIN_S = 70
+SETTING = ("dataset.test_per_class=400", *QUIET)  # 1,000 training images
 TIME_LIMIT = ("hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=10", "hydra.launcher.max_num_timeout=20")
+
+
+def epochs_lasting(seconds: float, attack: str, results_dir: Path) -> int:
+    """How many epochs of SETTING train in about `seconds` here and now, from a 2-epoch run."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "backdoorbench", f"attack={attack}", "trainer.epochs=2", *SETTING,
+                           f"results_dir={results_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [record] = [load_record(path) for path in records_under(results_dir)]
+    return max(10, math.ceil(seconds / (record.timings_s["train"] / 2)))
 
 
 def resumes(attack: str) -> bool:
@@ -132,6 +155,7 @@ def resumes(attack: str) -> bool:
     return getattr(getattr(importlib.import_module(module), name), "resumable", True)
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("attack", [
     "badnets",  # data poisoning: the trainer's checkpoint is the whole state
     # training-controlled: the trigger's state and random streams must be checkpointed as well
@@ -142,15 +166,16 @@ def resumes(attack: str) -> bool:
 def test_a_job_over_its_time_limit_is_requeued_and_resumes_to_the_metrics_of_an_uninterrupted_run(
         slurm_cluster, tmp_path, attack):
     started = time.monotonic()
+    epochs = epochs_lasting(RESUME_TRAIN_S, attack, tmp_path / "calibration")
+    setting = (f"attack={attack}", f"trainer.epochs={epochs}", *SETTING)
     # The uninterrupted run, on this machine beside the cluster's job (same config, one thread each).
     straight_dir = tmp_path / "straight"
     with open(tmp_path / "straight.log", "w") as log:
-        straight = subprocess.Popen([sys.executable, "-m", "backdoorbench", f"attack={attack}", *RESUME,
-                                     f"results_dir={straight_dir}"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        straight = subprocess.Popen([sys.executable, "-m", "backdoorbench", *setting, f"results_dir={straight_dir}"],
+                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         try:
-            proc = sweep(slurm_cluster, *SLURM, *TIME_LIMIT, f"attack={attack}", *RESUME,
-                         f"results_dir={tmp_path / 'slurm'}", timeout=900)
+            proc = sweep(slurm_cluster, *SLURM, *TIME_LIMIT, *setting, f"results_dir={tmp_path / 'slurm'}", timeout=900)
         finally:
             straight.wait(timeout=600)
     assert straight.returncode == 0, (tmp_path / "straight.log").read_text()[-3000:]
@@ -163,10 +188,11 @@ def test_a_job_over_its_time_limit_is_requeued_and_resumes_to_the_metrics_of_an_
     assert len(runs) >= 2 and set(runs[:-1]) == {"REQUEUED"} and runs[-1] == "COMPLETED", runs
     signalled = re.findall(r"Caught signal SIGUSR2 on \S+: this job is timed-out", err)
     assert len(signalled) == len(runs) - 1, err[-3000:]
-    # A requeued run resumed after the epochs the one before it had finished.
+    # Each requeued run resumed after the epochs the runs before it had finished (a run signalled
+    # before finishing an epoch leaves the same checkpoint to the next).
     resumed = [int(line.split(" after epoch ")[1].split()[0]) for line in out.splitlines()
                if "victim: resumed from " in line]
-    assert resumed and all(1 <= epoch <= RESUME_EPOCHS for epoch in resumed), out[-3000:]
+    assert resumed and resumed == sorted(resumed) and all(1 <= epoch <= epochs for epoch in resumed), out[-3000:]
 
     [straight_path] = records_under(straight_dir)
     [path] = records_under(tmp_path / "slurm")
@@ -175,5 +201,5 @@ def test_a_job_over_its_time_limit_is_requeued_and_resumes_to_the_metrics_of_an_
     assert record.metrics == reference.metrics  # exactly: CA, ASR, RA of the attacked model
     assert record.attack["poisoned_indices_sha256"] == reference.attack["poisoned_indices_sha256"]
     assert not list((tmp_path / "slurm").glob("checkpoints/**/*.pt"))  # a finished run removes its checkpoint
-    print(f"\n{attack}: {len(runs)} runs of the job ({runs}), resumed after epochs {resumed} of {RESUME_EPOCHS}; "
+    print(f"\n{attack}: {len(runs)} runs of the job ({runs}), resumed after epochs {resumed} of {epochs}; "
           f"metrics equal {record.metrics['attacked']}; {time.monotonic() - started:.0f} s")
