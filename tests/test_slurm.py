@@ -185,7 +185,11 @@ def test_a_job_over_its_time_limit_is_requeued_and_resumes_to_the_metrics_of_an_
     runs = final_states(slurm_cluster, [job])[job]
     out, err = job_logs(tmp_path / "slurm", "out")[job], job_logs(tmp_path / "slurm", "err")[job]
     # Signalled before its limit, requeued by submitit (a new run of the same job), then finished.
-    assert len(runs) >= 2 and set(runs[:-1]) == {"REQUEUED"} and runs[-1] == "COMPLETED", runs
+    assert len(runs) >= 2 and set(runs[:-1]) == {"REQUEUED"}, runs
+    # The last run finished: its result is written. A USR2 that lands while its interpreter exits
+    # kills it by that signal, and Slurm then calls the run FAILED (seen in one of three test runs here).
+    finished = runs[-1] == "COMPLETED" or (runs[-1] == "FAILED" and err.rstrip().endswith("User defined signal 2"))
+    assert finished and out.rstrip().endswith("Exiting after successful completion"), (runs, out[-2000:], err[-2000:])
     signalled = re.findall(r"Caught signal SIGUSR2 on \S+: this job is timed-out", err)
     assert len(signalled) == len(runs) - 1, err[-3000:]
     # Each requeued run resumed after the epochs the runs before it had finished (a run signalled
