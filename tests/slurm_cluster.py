@@ -243,8 +243,23 @@ StorageLoc=slurm_acct_db
                 tails.append(f"--- {path.name}\n" + "".join(f.readlines()[-30:]))
         return "\n".join(tails)
 
+    def cancel_jobs(self) -> None:
+        """Cancel the jobs still queued or running and wait for them to leave the queue: a job's
+        slurmstepd outlives slurmd, so a job left running at the stop would stay behind."""
+        ctld = self.daemons.get("slurmctld")
+        if ctld is None or ctld.poll() is not None:
+            return
+        deadline = time.monotonic() + 30
+        while jobs := self.slurm("squeue", "--noheader", "--format=%A", check=False).stdout.split():
+            if time.monotonic() > deadline:
+                break
+            self.slurm("scancel", *jobs, check=False)
+            time.sleep(0.5)
+
     def stop(self) -> None:
-        """End every daemon by its PID (the reverse of the start order), then drop the folder."""
+        """Cancel the jobs left, end every daemon by its PID (the reverse of the start order), then
+        drop the folder."""
+        self.cancel_jobs()
         for name, proc in reversed(list(self.daemons.items())):
             if proc.poll() is None:
                 proc.terminate()
