@@ -188,6 +188,8 @@ def preflight(argv: list[str]) -> None:
 
     overrides, skip = split_overrides(argv)
     if skip:
+        if any(arg in ("-h", "--help") for arg in argv):
+            _check_help_overrides(overrides)  # the page shows the choices: a wrong one is a line too
         return
     ignore_launcher_schema_match()  # again: a caller (e.g. pytest) may have reset the filters
     GlobalHydra.instance().clear()
@@ -210,6 +212,16 @@ def preflight(argv: list[str]) -> None:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(_near_miss(overrides) or _one_line(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _check_help_overrides(overrides: list[str]) -> None:
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            _check_bare_words(overrides)
+            _check_group_choices(overrides)
     finally:
         GlobalHydra.instance().clear()
 
