@@ -217,6 +217,7 @@ def preflight(argv: list[str]) -> None:
 
 
 def _check_help_overrides(overrides: list[str]) -> None:
+    """The checks of names alone (no values, no folders) for `--help [overrides]`."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):

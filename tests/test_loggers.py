@@ -195,3 +195,19 @@ def test_wandb_logger_offline_run_holds_config_history_images_summary(tmp_path: 
     png = folder / "files" / images["images/trigger/path"]
     with Image.open(png) as grid:  # 4 gray 8x8 images in one row, 2 px borders, as RGB
         assert grid.size == (4 * 10 + 2, 12) and grid.mode == "RGB"
+
+
+def test_summary_numbers_flatten_the_headline_metrics_only() -> None:
+    from backdoorbench.loggers import summary_numbers
+
+    record = {"metrics": {"attacked": {"clean_acc": 0.9, "asr": 0.8, "ra": 0.1, "pgd_acc": 0.2},
+                          "defended": None, "der": None,
+                          "detection": {"tpr": 0.75, "fpr": 0.125, "auroc": 0.9, "threshold_note": "text"}},
+              "defense": {"name": "strip", "extras": {"entropy_threshold_bits": 1.5, "calibration_frr": 0.01,
+                                                      "per_class": [1.0, 2.0], "flag": True}}}
+    assert summary_numbers(record) == {
+        "test/clean_acc": 0.9, "test/asr": 0.8, "test/ra": 0.1, "test/pgd_acc": 0.2,
+        "detection/tpr": 0.75, "detection/fpr": 0.125, "detection/auroc": 0.9,
+        "defense/entropy_threshold_bits": 1.5, "defense/calibration_frr": 0.01,
+    }
+    assert summary_numbers({"metrics": {}, "defense": {"name": "none"}}) == {}
