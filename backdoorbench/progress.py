@@ -1,8 +1,10 @@
-"""What a long stage is doing and how far along it is: a bar on a terminal, log lines elsewhere.
+"""What a run tells the person watching it, besides its epoch lines and final table.
 
-On a terminal a tqdm bar shows the count; when output goes to a file or a Slurm log (no bar), a
-line is logged every `every_s` seconds instead. Both end with one line saying what was done and
-how long it took, which also reaches Hydra's log file. Only rank 0 of a torchrun reports.
+`track`: what a long stage is doing and how far along it is. On a terminal a tqdm bar shows the
+count; when output goes to a file or a Slurm log (no bar), a line is logged every `every_s`
+seconds instead. Both end with one line saying what was done and how long it took, which also
+reaches Hydra's log file. Only rank 0 of a torchrun reports. `bar` is the trainer's epoch bar.
+`warnings_as_log_lines`: each Python warning as one log line.
 """
 
 from __future__ import annotations
