@@ -138,3 +138,17 @@ def test_a_two_epoch_run_sent_to_a_file_shows_one_line_per_epoch(tmp_path: Path)
     assert [m.groups() for m in EPOCH_LINE.finditer(hydra_log.read_text())] == found
     assert "\r" not in text and "it/s" not in text  # no bar in a file
     assert text.index("epoch 2/2") < text.index("record: ")
+
+
+def test_a_long_defense_stage_reports_what_it_did(monkeypatch, caplog) -> None:
+    from backdoorbench.attacks.badnets import BadNets
+    from backdoorbench.defenses.strip import Strip
+    from tests.test_defenses_detect import NUM_CLASSES, SHAPE, PatchDominated, context, quadrant_data
+
+    monkeypatch.setattr(progress, "on_terminal", lambda: False)
+    attack = BadNets(num_classes=NUM_CLASSES, image_shape=SHAPE, patch_size=3)
+    poisoned = attack.poison_dataset(quadrant_data(40, seed=9), torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.INFO, logger="backdoorbench.progress"):
+        Strip(num_superimpose=8, batch_size=16).apply(context(PatchDominated(attack), poisoned, quadrant_data(40, seed=7)))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(r"strip: entropy of 40 inputs x 8 overlays: done, 3/3 batches in \d+\.\d s", line)
