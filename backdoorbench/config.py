@@ -13,6 +13,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from backdoorbench import help_page
+
 GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "paper", "experiment")
 
 
@@ -80,6 +82,7 @@ def ignore_launcher_schema_match() -> None:
 
 
 ignore_launcher_schema_match()
+help_page.register()  # the config-group listing of --help (conf/hydra/help/backdoorbench.yaml)
 
 store = ConfigStore.instance()
 store.store(name="run_schema", node=RunSchema)

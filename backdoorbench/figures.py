@@ -41,6 +41,12 @@ from backdoorbench.leaderboard import filter_records, load_records_with_paths, p
 from backdoorbench.records import RunRecord, artifacts_path  # noqa: E402
 
 USAGE = "usage: python -m backdoorbench.figures [results_dir=DIR] [dataset=NAME] [residual_scale=10]"
+HELP = f"""{USAGE}
+
+Draws the figures from the run records under <results_dir>/runs (and the arrays saved beside
+them) into <results_dir>/figures, as PNG and PDF; a figure whose runs are missing is skipped
+with the command that makes them. dataset= keeps one dataset; residual_scale= multiplies the poisoned-minus-clean
+residuals of the trigger gallery. results_dir defaults to results (the committed figures)."""
 EXAMPLES_SHOWN = 2  # example images per attack in the gallery and GradCAM figures
 
 
@@ -323,6 +329,9 @@ def write_figures(results_dir: str | Path, *, dataset: str | None = None, residu
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(HELP)
+        return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

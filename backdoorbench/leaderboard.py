@@ -34,6 +34,12 @@ FILTERS = ("dataset", "model", "target_mode")
 FEW_SEEDS = 3  # rows with fewer seeds than this are flagged
 FLAG = "†"
 USAGE = "usage: python -m backdoorbench.leaderboard [results_dir=DIR] [dataset=NAME] [model=NAME] [target_mode=all2one|all2all]"
+HELP = f"""{USAGE}
+
+Builds the leaderboard from the run records under <results_dir>/runs: one row per setting (the
+mean and spread over its seeds) in <results_dir>/leaderboard/leaderboard.md, leaderboard.html,
+attacks.csv and defenses.csv. dataset=, model= and target_mode= keep only the matching records.
+results_dir defaults to results (the committed tables)."""
 
 
 @dataclass(frozen=True)
@@ -467,6 +473,9 @@ def parse_args(args: list[str], options: dict[str, str | None], usage: str) -> d
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(HELP)
+        return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

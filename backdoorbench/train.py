@@ -4,9 +4,12 @@ The whole training split lives on the training device as one uint8 tensor; each 
 batch, augments it with tensor ops (random crop with zero padding, horizontal flip where the
 dataset allows it) and converts it to [0, 1] floats. The epoch's shuffle and augmentation draws
 are made once per epoch on the CPU generator and moved to the device in one copy, and metrics
-are summed on the device, so the loop never waits for the GPU. Training-time attacks and in-training
-defenses replace the per-batch loss through the `step` hook. `fit(..., checkpoint=path)` saves
-after every epoch and resumes from that file, bit-exactly on the CPU.
+are summed on the device, so the loop waits for the GPU only when a progress bar reads them
+(about eight times an epoch, on a terminal). Each epoch ends with one log line (loss, accuracy,
+lr, time) for the terminal and Hydra's log file, and one row for the run's logger (CSV, wandb).
+Training-time attacks and in-training defenses replace the per-batch loss through the `step`
+hook. `fit(..., checkpoint=path)` saves after every epoch and resumes from that file, bit-exactly
+on the CPU.
 
 Under torchrun (backdoorbench.distributed) `fit` is data-parallel with global batch semantics:
 `batch_size` is the batch of the whole step, as in one process. Every process draws the same
@@ -31,9 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from backdoorbench import checks, distributed
+from backdoorbench import checks, distributed, progress
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save
@@ -131,6 +133,12 @@ def shard_bounds(start: int, stop: int, rank: int, world: int) -> tuple[int, int
     base, extra = divmod(stop - start, world)
     low = start + rank * base + min(rank, extra)
     return low, low + base + (1 if rank < extra else 0)
+
+
+def refresh_every(batches: int) -> int:
+    """Batches between two readings of the running loss and accuracy for the bar: about eight per
+    epoch, at most 50 apart. Each reading waits for the GPU, so not every step."""
+    return max(1, min(50, batches // 8))
 
 
 class _StepModule(nn.Module):
@@ -325,9 +333,9 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             correct = torch.zeros((), device=self.device, dtype=torch.long)
             seen = 0
-            show = self.progress and distributed.is_main()
-            bar = tqdm(bounds, desc=f"{desc} {epoch}/{epochs}", leave=False, disable=None if show else True)
-            for i, (batch_start, batch_stop) in enumerate(bar):
+            bar = progress.bar(len(bounds), f"{desc} {epoch}/{epochs}", unit="batch", enabled=self.progress)
+            lr_now = optimizer.param_groups[0]["lr"]
+            for i, (batch_start, batch_stop) in enumerate(bounds):
                 start, stop = shard_bounds(batch_start, batch_stop, rank, world)
                 idx = order[start:stop]
                 batch = images[idx]
@@ -354,8 +362,12 @@ class Trainer:
                 loss_sum += loss.detach() * len(scored)
                 correct += (logits.detach().argmax(1) == scored).sum()
                 seen += len(scored)
-                if i % 50 == 49 and not bar.disable:
-                    bar.set_postfix(loss=f"{loss_sum.item() / seen:.4f}", acc=f"{correct.item() / seen:.4f}")
+                if not bar.disable:
+                    bar.update()
+                    last = i + 1 == len(bounds)
+                    if last or (i + 1) % refresh_every(len(bounds)) == 0:
+                        bar.set_postfix({"loss": f"{loss_sum.item() / seen:.4f}", "acc": f"{correct.item() / seen:.4f}",
+                                         "lr": f"{lr_now:.3g}"}, refresh=last)
             bar.close()
             if world > 1:  # the whole epoch's sums, one collective per epoch
                 totals = distributed.all_reduce_sum(torch.stack([loss_sum.double(), correct.double(),
@@ -374,6 +386,9 @@ class Trainer:
             }
             scheduler.step()
             history.append(row)
+            if distributed.is_main():
+                log.info("%s epoch %d/%d: loss %.4f, acc %.4f, lr %.4g, %.1f s", desc, epoch, epochs,
+                         row["loss"], row["train_acc"], row["lr"], row["time_s"])
             if checkpoint is not None and distributed.is_main():
                 save_checkpoint(checkpoint, meta, epoch, model, optimizer, scheduler, generator, extra, history,
                                 companion=companion)

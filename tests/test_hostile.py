@@ -57,7 +57,7 @@ def mnist_label_out_of_range(tmp: Path) -> list[str]:
 # (id, setup -> extra CLI arguments, a fragment the error line must contain)
 CASES: list[tuple[str, Setup, str]] = [
     # unknown names: config keys, group options (ours and Hydra's own)
-    ("unknown key", fixed("trainer.epochz=3"), "Key 'epochz' not in 'TrainerSchema'"),
+    ("unknown key", fixed("trainer.epochz=3"), "trainer.epochz is not a setting of trainer default; did you mean trainer.epochs?"),
     ("added key the target does not take", fixed("+trainer.foo=1"),
      "trainer.foo is not a setting of backdoorbench.train.Trainer"),
     ("unknown attack", fixed("attack=nope"), "unknown attack 'nope'; choose one of: adaptive_blend, badnets, blended"),
@@ -67,6 +67,14 @@ CASES: list[tuple[str, Setup, str]] = [
      "unknown hydra/launcher 'nope'; choose one of: basic, joblib, submitit_local, submitit_slurm"),
     ("unknown target mode", fixed("attack.target_mode=some2some"),
      "attack.target_mode='some2some' is unknown; choose one of: all2one, all2all"),
+    # near misses: the line names what was probably meant
+    ("attack name in another case", fixed("attack=Badnets"), "unknown attack 'Badnets'; did you mean attack=badnets?"),
+    ("defense abbreviation", fixed("defense=nc"), "unknown defense 'nc'; did you mean defense=neural_cleanse?"),
+    ("key spelled without its underscore", fixed("attack.poisonrate=0.1"),
+     "attack.poisonrate is not a setting of attack badnets; did you mean attack.poison_rate?"),
+    ("timm model name as a model", fixed("model=resnet50"),
+     "unknown model 'resnet50'; resnet50 is a timm model: write model=timm model.name=resnet50, or choose one of:"),
+    ("group and option without =", fixed("attack", "badnets"), "'attack' needs a value: write attack=badnets"),
     # wrong types
     ("seed not an int", fixed("seed=abc"), "seed=abc"),
     ("flag not a bool", fixed("trainer.augment=maybe"), "Value 'maybe' is not a valid bool"),
@@ -124,6 +132,20 @@ PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["attack=input_aware", "attack.depth=3"], "attack.depth=3 does not fit 28x28 images"),
     (["model=timm", "model.name=resnet18", "model.weights=/no/such/weights.pt"], "model.weights='/no/such/weights.pt' does not exist"),
     (["trainer.batch_size=0"], "trainer.batch_size=0 is invalid"),
+    # near misses (the suggestion code's own cases are in tests/test_suggest.py)
+    (["defense=fp"], "unknown defense 'fp'; did you mean defense=fine_pruning? Or choose one of: abl, "),
+    (["defense=Neural-Cleanse"], "did you mean defense=neural_cleanse?"),
+    (["attack=iad"], "did you mean attack=input_aware?"),
+    (["--multirun", "attack=badnets,Blended"], "unknown attack 'Blended'; did you mean attack=blended?"),
+    (["model=vit_tiny_patch16_224"], "write model=timm model.name=vit_tiny_patch16_224, or choose one of: "),
+    (["trainer/optimizer=Adam"], "did you mean trainer/optimizer=adam?"),
+    (["defense=fine_tuning", "defense.epoch=2"], "defense.epoch is not a setting of defense fine_tuning; did you mean defense.epochs?"),
+    (["atack.poison_rate=0.1"], "atack.poison_rate is not a setting; did you mean attack.poison_rate?"),
+    (["seeds=1"], "seeds is not a setting; did you mean seed?"),
+    (["badnets"], "'badnets' needs its group: write attack=badnets"),
+    (["--multirun", "seed", "0,1"], "'seed' needs a value: write seed=0,1"),
+    (["dataset"], "'dataset' needs a value: write dataset=<cifar10|gtsrb|mnist|mnist5k|...>"),
+    (["hello"], "'hello' is not an override; write key=value, e.g. attack=badnets"),
 ]
 
 

@@ -19,6 +19,7 @@ from backdoorbench import checks, distributed
 from backdoorbench.attacks.base import StepWrapper, TrainingAttack
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ class InputAware(TrainingAttack):
         images = train.images.to(device)
         batch = trainer.batch_size
         self.mask_history = []
-        for epoch in range(self.mask_epochs):
+        for epoch in track(range(self.mask_epochs), "input_aware: mask generator pre-training", unit="epochs"):
             lr = self.mask_lr * self.lr_gamma ** sum(epoch / self.mask_epochs >= m for m in self.mask_milestones)
             for group in optimizer.param_groups:
                 group["lr"] = lr

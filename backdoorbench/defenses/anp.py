@@ -13,6 +13,7 @@ from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 from backdoorbench.train import augment_batch
 
 PRUNE_BY = ("threshold", "fraction")
@@ -154,7 +155,7 @@ class AdversarialNeuronPruning(Defense):
                 m.perturbed = on
 
         noisy.train()  # as the official code: batch statistics of the clean batch
-        for _ in range(self.iterations):
+        for _ in track(range(self.iterations), "anp: mask optimization", unit="iterations"):
             idx = torch.randint(len(clean), (self.batch_size,), generator=generator).to(device)
             x, y = to_float(images[idx]), labels[idx]
             if trainer.augment:

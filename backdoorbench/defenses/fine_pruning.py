@@ -13,6 +13,7 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 CURVE_POINTS = 11  # test-set pruning curve for the figure: 0%, 10%, ... of max_prune_ratio (and the chosen k)
 
@@ -199,7 +200,8 @@ class FinePruning(Defense):
         base_acc = subset_accuracy(trainer, model, clean)
         curve = [[0.0, base_acc]]
         n_pruned, stopped = 0, False
-        for k in range(1, math.floor(self.max_prune_ratio * channels) + 1):
+        for k in track(range(1, math.floor(self.max_prune_ratio * channels) + 1), "fine_pruning: pruning channels",
+                       unit="channels"):
             mask[order[k - 1]] = 0.0
             acc = subset_accuracy(trainer, model, clean)
             curve.append([k / channels, acc])

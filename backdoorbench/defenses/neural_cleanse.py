@@ -14,6 +14,7 @@ from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 MAD_CONSISTENCY = 1.4826  # makes the MAD a consistent estimator of the std under a normal distribution
 TANH_EPS = 1e-7  # keeps tanh(.) / (2 - eps) + 0.5 strictly inside (0, 1), as the official code does
@@ -148,7 +149,8 @@ class NeuralCleanse(Defense):
         early_stop_best = [float("inf")] * count
         success = [0.0] * count
         active = list(range(count))
-        for _ in range(self.epochs):
+        classes = f"class {targets[0]}" if count == 1 else f"classes {targets[0]}-{targets[-1]}"
+        for _ in track(range(self.epochs), f"neural_cleanse: trigger search, {classes}", unit="epochs"):
             if not active:
                 break
             rows = torch.tensor(active, device=device)

@@ -12,6 +12,7 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import DefenseContext, DefenseResult, InputDefense
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 
 def superimpose(x: Tensor, overlays: Tensor) -> Tensor:
@@ -63,7 +64,8 @@ class Strip(InputDefense):
             raise RuntimeError("strip: call apply(ctx) before scoring inputs")
         pool = len(self._overlays) - (1 if exclude is not None else 0)
         out = []
-        for start in range(0, len(x), self.batch_size):
+        starts = range(0, len(x), self.batch_size)
+        for start in track(starts, f"strip: entropy of {len(x)} inputs x {self.num_superimpose} overlays", unit="batches"):
             chunk = x[start : start + self.batch_size]
             picks = torch.randint(pool, (len(chunk), self.num_superimpose), generator=self._generator)
             if exclude is not None:
