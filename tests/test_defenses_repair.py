@@ -11,6 +11,7 @@ import copy
 from functools import partial
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -269,10 +270,23 @@ def test_out_of_range_parameters_are_config_errors(make):
 def test_mad_flags_only_small_outliers():
     norms = torch.tensor([1.0, 10.0, 10.5, 9.5, 11.0, 10.0, 9.0, 10.2, 30.0, 9.8], dtype=torch.float64)
     index = mad_anomaly_index(norms)
-    median = norms.median()
-    mad = 1.4826 * (norms - median).abs().median()
-    assert torch.allclose(index, (norms - median).abs() / mad)
+    median = np.median(norms.numpy())  # the official code's median: the mean of the middle two
+    mad = 1.4826 * np.median(np.abs(norms.numpy() - median))
+    assert np.allclose(index.numpy(), np.abs(norms.numpy() - median) / mad)
     assert index[8] > 2 and flagged_classes(norms, 2.0) == [0]  # a big mask is no backdoor
+
+
+def test_mad_takes_the_mean_of_the_two_middle_values_like_np_median():
+    # The mask norms of the committed BadNets record 1137154073004141 (10 classes, target 0).
+    # torch.median's lower middle value (65.15) gives MAD 16.77 and class 8 an index of 2.02, a
+    # false positive; np.median's 65.45 gives MAD 25.32 and flags the target alone.
+    norms = torch.tensor([1.57, 158.84, 42.45, 53.84, 69.74, 73.34, 65.75, 87.99, 31.29, 65.15], dtype=torch.float64)
+    median = np.median(norms.numpy())
+    assert float(torch.median(norms)) != pytest.approx(median)  # the two medians differ here
+    index = mad_anomaly_index(norms)
+    expected = np.abs(norms.numpy() - median) / (1.4826 * np.median(np.abs(norms.numpy() - median)))
+    assert np.allclose(index.numpy(), expected)
+    assert index[8] < 2 and flagged_classes(norms, 2.0) == [0]
 
 
 BLOB_SLOTS = [(row, col) for row in range(4) for col in range(4) if (row, col) != (3, 3)][:10]

@@ -31,10 +31,19 @@ class ReversedTrigger:
         return (1 - mask) * x + mask * pattern
 
 
+def numpy_median(values: Tensor) -> Tensor:
+    """The median as `np.median` (the official code) takes it: the mean of the two middle values
+    when the count is even. `torch.median` returns the lower of the two, which on 10 or 200
+    classes moves both the centre and the MAD."""
+    ordered = values.flatten().sort().values
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def mad_anomaly_index(norms: Tensor) -> Tensor:
-    """|norm - median| / (1.4826 * median(|norm - median|)) per class."""
-    median = norms.median()
-    mad = MAD_CONSISTENCY * (norms - median).abs().median()
+    """|norm - median| / (1.4826 * median(|norm - median|)) per class, medians as np.median."""
+    median = numpy_median(norms)
+    mad = MAD_CONSISTENCY * numpy_median((norms - median).abs())
     # All norms equal but one: MAD is 0; a tiny floor keeps the index finite (records refuse inf).
     return (norms - median).abs() / mad.clamp_min(1e-12 * max(float(median.abs()), 1.0))
 
@@ -43,7 +52,7 @@ def flagged_classes(norms: Tensor, threshold: float) -> list[int]:
     """Classes whose mask norm is below the median with an anomaly index above `threshold`,
     smallest norm first (only small masks betray a backdoor: a shortcut to the class)."""
     index = mad_anomaly_index(norms)
-    median = norms.median()
+    median = numpy_median(norms)
     flagged = [c for c in range(len(norms)) if norms[c] < median and index[c] > threshold]
     return sorted(flagged, key=lambda c: float(norms[c]))
 
