@@ -16,7 +16,7 @@ from backdoorbench.defenses.activation_clustering import ActivationClustering
 from backdoorbench.defenses.base import DefenseContext
 from backdoorbench.defenses.runner import run_defense
 from backdoorbench.defenses.spectral import SpectralSignatures
-from backdoorbench.defenses.strip import Strip, mean_entropy, superimpose
+from backdoorbench.defenses.strip import Strip, frr_cutoff, mean_entropy, normal_fit_cutoff, superimpose
 from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.models.base import ImageClassifier, Normalized
@@ -225,7 +225,7 @@ def test_strip_entropy_is_low_for_triggered_inputs_and_the_runner_rejects_them()
     assert bad_h.median() < 0.5 * clean_h.median()
     assert outcome.detection["auroc"] > 0.95
     assert outcome.detection["tpr"] > 0.8 and outcome.detection["fpr"] < 0.15, outcome.detection
-    assert outcome.extras["calibration_frr"] <= 0.1  # the threshold sits at the chosen FRR on clean data
+    assert outcome.extras["calibration_frr"] == pytest.approx(6 / 120)  # floor(0.05 * 120) = 6 clean images rejected
     assert outcome.defended["asr"] < 0.2  # rejected triggered inputs no longer count as attacks
     assert outcome.detection["threshold"] == pytest.approx(-outcome.extras["entropy_threshold_bits"])
 
@@ -246,3 +246,14 @@ def test_strip_is_seeded_and_needs_clean_images():
         Strip(frr=1.5)
     with pytest.raises(ConfigError, match="clean_fraction"):
         Strip(clean_fraction=0)
+
+
+def test_strip_threshold_meets_the_requested_frr_where_a_normal_fit_does_not():
+    # Clean entropies are skewed: most images near the top, a tail of confident ones (as on mnist5k).
+    g = torch.Generator().manual_seed(0)
+    entropies = 3.3 + 0.5 * torch.rand(1000, generator=g).log()  # 3.3 minus an exponential of mean 0.5
+    for frr in (0.01, 0.05):
+        rejected = int((entropies < frr_cutoff(entropies, frr)).sum())
+        assert rejected == round(frr * 1000)  # the k lowest of n, k = floor(frr * n)
+    # the paper's normal fit rejects more than twice what was asked for on such a tail
+    assert float((entropies < normal_fit_cutoff(entropies, 0.01)).float().mean()) > 0.02
