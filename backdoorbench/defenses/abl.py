@@ -72,6 +72,7 @@ class AntiBackdoorLearning(Defense):
     name = "abl"
     stage = "in_train"
     needs_clean_data = False
+    meets_training_controlled_attacks = False
 
     def __init__(
         self,

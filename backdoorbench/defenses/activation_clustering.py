@@ -104,6 +104,7 @@ class ActivationClustering(Defense):
     name = "activation_clustering"
     stage = "pre_train"
     needs_clean_data = False
+    meets_training_controlled_attacks = False
 
     def __init__(
         self, *, n_components: int = 10, reduction: str = "ica", size_threshold: float = 0.35, clean_fraction: float = 0.0

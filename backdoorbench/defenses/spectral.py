@@ -82,6 +82,7 @@ class SpectralSignatures(Defense):
     name = "spectral"
     stage = "pre_train"
     needs_clean_data = False
+    meets_training_controlled_attacks = False
 
     def __init__(self, *, expected_poison_fraction: float = 0.1, removal_ratio: float = 1.5, clean_fraction: float = 0.0) -> None:
         super().__init__(clean_fraction=clean_fraction)
