@@ -232,6 +232,62 @@ def test_clp_prunes_only_the_channel_with_a_huge_lipschitz_bound():
     assert unchanged(model, before)
 
 
+# Convolutions CLP scores per model of the zoo: (scored, of which through a residual sum, all convs).
+# PreAct-ResNet-18: the stem and every conv1 feed a BN directly (9); every conv2 but the last and
+# the 3 projection shortcuts feed the residual sum the next block's bn1 normalizes (10); the last
+# conv2 feeds the pooling, with no BN after it. The post-activation ResNets and VGGs have a BN after
+# every conv.
+CLP_ZOO = {
+    "mnist_cnn": ((1, 28, 28), 2, 0, 2),
+    "preact_resnet18": ((3, 32, 32), 19, 10, 20),
+    "resnet18": ((3, 32, 32), 20, 0, 20),
+    "vgg11": ((3, 32, 32), 8, 0, 8),
+    "vgg16_bn": ((3, 32, 32), 13, 0, 13),
+    "timm": ((3, 32, 32), 20, 0, 20),  # timm's resnet18
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLP_ZOO))
+def test_clp_scores_every_conv_with_a_sound_bound_on_every_model_of_the_zoo(name):
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    import backdoorbench
+    from backdoorbench.defenses.clp import conv_bn_pairs
+
+    shape, scored, through_sum, convs = CLP_ZOO[name]
+    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
+    torch.manual_seed(0)
+    model = Normalized(instantiate(node, in_channels=shape[0], num_classes=10, image_size=shape[1]),
+                       (0.5,) * shape[0], (0.25,) * shape[0])
+    pairs = conv_bn_pairs(model, shape)
+    assert sum(isinstance(m, nn.Conv2d) for m in model.modules()) == convs
+    assert len(pairs) == scored and sum(p.through_sum for p in pairs) == through_sum
+    assert len({id(p.conv) for p in pairs}) == scored  # each conv scored once
+    result = ChannelLipschitzPruning().apply(make_ctx(model, Split(torch.zeros(0, *shape, dtype=torch.uint8),
+                                                                   torch.zeros(0, dtype=torch.long))))
+    assert result.extras["n_layers"] == scored
+
+
+def test_clp_prunes_a_summed_conv_by_its_own_kernel_not_the_shared_bn():
+    from backdoorbench.models.preact_resnet import PreActResNet18
+
+    torch.manual_seed(0)
+    model = Normalized(PreActResNet18(in_channels=3, num_classes=10), (0.5,) * 3, (0.25,) * 3)
+    stage = model.net.features[1]  # the first residual stage
+    conv2, reader = stage[0].conv2, stage[1].bn1
+    with torch.no_grad():
+        conv2.weight[7] *= 50.0  # a backdoor-like channel: a huge Lipschitz bound
+    empty = Split(torch.zeros(0, 3, 32, 32, dtype=torch.uint8), torch.zeros(0, dtype=torch.long))
+    result = ChannelLipschitzPruning().apply(make_ctx(model, empty))
+    repaired = result.model.net.features[1]
+    assert torch.count_nonzero(repaired[0].conv2.weight[7]) == 0  # the channel of conv2 is gone
+    assert torch.equal(repaired[1].bn1.weight, reader.weight)  # the skip path's channel 7 is kept
+    assert 7 in [c for layer in result.extras["pruned_channels"] for c in layer]
+
+
 # ---- errors for people ----------------------------------------------------------------------------
 
 
