@@ -412,25 +412,57 @@ def test_nad_distillation_pulls_the_students_attention_to_the_teachers(backdoor,
     with torch.no_grad():  # a teacher whose second conv stage attends elsewhere
         weight = teacher.net.features[4].weight
         weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * weight.std())
-    defense = NeuralAttentionDistillation(epochs=3, betas=[beta, beta])
+    defense = NeuralAttentionDistillation(epochs=3, betas=[beta, beta], lr=0.01)
     student = copy.deepcopy(backdoor.model)
-    names = defense.layer_names(student, torch.rand(2, 1, 14, 14))
-    assert names == ["features.3", "features.7"]
+    names, betas = defense.layer_names(student, torch.rand(2, 1, 14, 14))
+    assert names == ["features.3", "features.7"] and betas == [beta, beta]
     distance = partial(defense.attention_distance, names=names, images=ctx.clean_subset.images,
                        device=torch.device("cpu"), batch_size=1024)
     before = distance(student, teacher)
-    defense.distill(student, teacher, names, ctx.clean_subset, ctx.trainer, torch.Generator().manual_seed(1))
+    defense.distill(student, teacher, names, betas, ctx.clean_subset, ctx.trainer, torch.Generator().manual_seed(1))
     if beta == 0:  # cross-entropy alone does not chase the teacher
         assert distance(student, teacher) > 0.9 * before
     else:
         assert distance(student, teacher) < 0.6 * before
 
 
-def test_nad_repairs_a_copy_and_records_the_attention_distance(backdoor):
+def test_nad_follows_the_official_recipe(backdoor):
+    defense = NeuralAttentionDistillation(teacher_epochs=1, epochs=3)
+    assert defense.betas == [500.0, 1000.0, 1000.0] and defense.lr == 0.1
+    # the three residual groups the official betas weigh: layer2-4 of the 4-stage ResNets
+    from backdoorbench.models.preact_resnet import PreActResNet18
+
+    names, betas = defense.layer_names(PreActResNet18(in_channels=3, num_classes=10), torch.rand(2, 3, 32, 32))
+    # layer2, layer3 and layer4 (read at features.5, the identity `feature_act` after layer4: the same tensor)
+    assert names == ["features.2", "features.3", "features.5"] and betas == [500.0, 1000.0, 1000.0]
+    # mnist_cnn has two conv stages: the deepest two betas
     before = state_copy(backdoor.model)
-    result = NeuralAttentionDistillation(teacher_epochs=1, epochs=1).apply(backdoor.ctx())
+    modes: list[bool] = []
+    teacher_hook = {}
+
+    original = NeuralAttentionDistillation.distill
+
+    def spy(self, student, teacher, *args, **kwargs):
+        teacher_hook["before"] = state_copy(teacher)
+        handle = teacher.register_forward_hook(lambda module, inputs, output: modes.append(module.training))
+        try:
+            return original(self, student, teacher, *args, **kwargs)
+        finally:
+            handle.remove()
+            teacher_hook["after"] = teacher
+
+    NeuralAttentionDistillation.distill = spy
+    try:
+        result = defense.apply(backdoor.ctx())
+    finally:
+        NeuralAttentionDistillation.distill = original
+    extras = result.extras
     assert result.model is not backdoor.model and unchanged(backdoor.model, before)
-    assert result.extras["n_attention_layers"] == 1 and result.extras["attention_distance_before"] >= 0
+    assert extras["n_attention_layers"] == 2 and extras["betas_used"] == [1000.0, 1000.0]
+    assert extras["lr_per_epoch"] == pytest.approx([0.1, 0.1, 0.01])  # 0.1 for two epochs, then 0.01
+    assert modes and not any(modes)  # the teacher ran in eval mode throughout the distillation
+    assert unchanged(teacher_hook["after"], teacher_hook["before"])  # its batch-norm statistics untouched
+    assert extras["attention_distance_before"] >= 0
 
 
 # ---- ANP ------------------------------------------------------------------------------------------
