@@ -252,6 +252,9 @@ def build_rows(records: list[RunRecord]) -> list[Row]:
     for members in peers.values():
         for row, label in zip(members, setting_labels([m.config for m in members])):
             row.label = label
+            budget = (row.config.get("defense") or {}).get("budget")
+            if budget not in (None, "official") and "budget=" not in label:  # a cut budget is always named
+                row.label = ", ".join(filter(None, [label, f"budget={budget}"]))
     clean_controls(rows)
     rows.sort(key=lambda r: (r.dataset, r.table, r.defense, r.model, r.attack, r.target_mode, r.label, r.group_id))
     return rows

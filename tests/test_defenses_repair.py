@@ -24,6 +24,7 @@ from backdoorbench.defenses.anp import AdversarialNeuronPruning, NoisyBatchNorm2
 from backdoorbench.defenses.base import DefenseContext, clean_subset_indices
 from backdoorbench.defenses.clp import ChannelLipschitzPruning
 from backdoorbench.defenses.fine_pruning import FinePruning, conv_stage_outputs, prune_last_stage
+from backdoorbench.defenses.fine_tuning import FineTuning
 from backdoorbench.defenses.i_bau import ImplicitBackdoorAdversarialUnlearning, implicit_hypergradient
 from backdoorbench.defenses.nad import NeuralAttentionDistillation, attention_map
 from backdoorbench.defenses.neural_cleanse import NeuralCleanse, flagged_classes, mad_anomaly_index
@@ -552,7 +553,7 @@ def test_abl_unlearning_raises_the_loss_of_the_backdoored_samples(backdoor):
 
     def run(unlearn_epochs: int):
         defense = AntiBackdoorLearning(isolation_epochs=2, finetune_epochs=1, unlearn_epochs=unlearn_epochs,
-                                       unlearn_lr=1e-2)
+                                       unlearn_lr=1e-2, lr=0.05)  # the official 0.1 is for CIFAR-scale nets
         return defense.apply(backdoor.ctx())
 
     kept, unlearned = run(0), run(10)  # same seed: identical until the unlearning phase
@@ -561,3 +562,42 @@ def test_abl_unlearning_raises_the_loss_of_the_backdoored_samples(backdoor):
     loss_kept = per_sample_loss(kept.model, poisoned, torch.device("cpu")).mean()
     loss_unlearned = per_sample_loss(unlearned.model, poisoned, torch.device("cpu")).mean()
     assert loss_unlearned > 5 * loss_kept
+    assert unlearned.extras["unlearn_lr_per_epoch"] == pytest.approx([1e-2] * 10)  # constant, no cosine
+
+
+@pytest.mark.parametrize("make, budgets", [
+    (AntiBackdoorLearning, {"official": dict(isolation_epochs=10, finetune_epochs=60, unlearn_epochs=5),
+                            "cpu": dict(isolation_epochs=5, finetune_epochs=None, unlearn_epochs=5)}),
+    (NeuralCleanse, {"official": dict(epochs=1000, unlearn_epochs=1), "cpu": dict(epochs=50, unlearn_epochs=10)}),
+    (FinePruning, {"official": dict(epochs=100), "cpu": dict(epochs=10)}),
+    (FineTuning, {"official": dict(epochs=100), "cpu": dict(epochs=10)}),
+], ids=["abl", "neural_cleanse", "fine_pruning", "fine_tuning"])
+def test_budgets_default_to_the_official_ones_and_the_cpu_preset_is_recorded(make, budgets):
+    for budget, expected in budgets.items():
+        defense = make() if budget == "official" else make(budget=budget)
+        described = defense.describe()
+        assert described["budget"] == budget
+        assert {key: described[key] for key in expected} == expected
+    explicit = make(budget="cpu", **{next(iter(budgets["cpu"])): 3})  # an explicit value wins over the preset
+    assert explicit.describe()[next(iter(budgets["cpu"]))] == 3
+    with pytest.raises(ConfigError, match="defense.budget='gpu' is unknown for .*; choose one of: official, cpu"):
+        make(budget="gpu")
+
+
+def test_abl_phases_follow_the_official_recipe(backdoor):
+    seen = []
+    original = Trainer.fit
+
+    def spy(self, model, split, **kwargs):
+        seen.append((kwargs["desc"], self.augment, self.batch_size, self.optimizer.keywords, kwargs["lr"]))
+        return original(self, model, split, **kwargs)
+
+    Trainer.fit = spy
+    try:
+        AntiBackdoorLearning(budget="cpu", isolation_epochs=1, finetune_epochs=1, unlearn_epochs=1).apply(backdoor.ctx())
+    finally:
+        Trainer.fit = original
+    recipe = {"momentum": 0.9, "weight_decay": 1e-4, "nesterov": True, "lr": 0.01}
+    assert [(desc, augment, batch, lr) for desc, augment, batch, _, lr in seen] == [
+        ("abl isolation", False, 128, 0.1), ("abl train", True, 128, 0.1), ("abl unlearn", False, 128, 5e-4)]
+    assert all(keywords == recipe for *_, keywords, _ in seen)

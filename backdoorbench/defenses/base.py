@@ -82,6 +82,21 @@ class Defense:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stage": self.stage, "clean_fraction": self.clean_fraction}
 
+    # Budget presets of a defense whose official budget a CPU cannot afford: name -> the values of
+    # its budget parameters. "official" is the authors' (or BackdoorBench's) budget; "cpu" the cut
+    # the committed CPU tables use. A value given explicitly wins over the preset.
+    BUDGETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def resolve_budget(self, budget: str, **given: Any) -> dict[str, Any]:
+        """`given` with every None replaced by the `budget` preset's value (None there too means
+        the trainer's own, e.g. its epochs); sets `self.budget`."""
+        if budget not in self.BUDGETS:
+            raise ConfigError(f"defense.budget={budget!r} is unknown for {self.name}; choose one of: "
+                              f"{', '.join(self.BUDGETS)}")
+        self.budget = budget
+        preset = self.BUDGETS[budget]
+        return {key: preset[key] if value is None else value for key, value in given.items()}
+
     def test_artifacts(self, ctx: DefenseContext, result: DefenseResult,
                        measure: Callable[[nn.Module], dict[str, float]]) -> dict[str, np.ndarray | Tensor]:
         """Figure data that needs the test set, which `apply` never sees: the runner calls this
