@@ -238,3 +238,13 @@ def test_a_defense_whose_threat_model_excludes_the_attack_is_n_a_not_a_success(t
     assert line.count("| n/a ") == 4 and "–" not in line.split("| 3 |")[1]
     assert "n/a where the defense's threat model excludes the attack" in files.markdown.read_text()
     assert ">n/a<" in files.html.read_text()
+
+
+def test_a_cut_defense_budget_is_named_in_the_setting_column(tmp_path):
+    runs = tmp_path / "runs"
+    defense = {"_target_": "backdoorbench.defenses.fine_tuning.FineTuning", "budget": "cpu", "epochs": None}
+    save(runs, "b0", group="gb", seed=0, defense="fine_tuning", defended=(0.95, 0.1, 0.8), der=0.9,
+         cfg=config(defense=defense))
+    files = write_leaderboard(tmp_path)
+    row = next(r for r in read_csv(files.csv["defenses"]) if r["group_id"] == "gb")
+    assert row["setting"] == "budget=cpu"  # the only row: nothing else differs, the cut is still named
