@@ -101,6 +101,21 @@ class Cell:
     n: int
 
 
+@dataclass(frozen=True)
+class NotApplicable:
+    """A defense cell whose defense's threat model excludes the attack (the record says
+    `applicable: false`): shown as n/a, never as a value. Falsy, so it sorts and exports like a
+    missing value where a renderer only asks whether there is a number."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NOT_APPLICABLE = "n/a"
+
+
 @dataclass
 class Row:
     table: str  # "attacks" or "defenses"
@@ -234,7 +249,9 @@ def build_rows(records: list[RunRecord]) -> list[Row]:
         row = Row(table=table, dataset=first.dataset["name"], model=first.model["name"], attack=first.attack["name"],
                   target_mode=_mode(first.attack), defense=first.defense["name"], group_id=group_id,
                   seeds=[r.seed for r in members], config=first.config)
-        row.cells = {c.key: summarize([c.read(r) for r in members]) for c in columns}
+        excluded = first.defense.get("applicable") is False  # the same config: every seed agrees
+        row.cells = {c.key: NotApplicable(first.defense.get("not_applicable", "")) if excluded
+                     else summarize([c.read(r) for r in members]) for c in columns}
         rows.append(row)
     peers: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
@@ -242,6 +259,9 @@ def build_rows(records: list[RunRecord]) -> list[Row]:
     for members in peers.values():
         for row, label in zip(members, setting_labels([m.config for m in members])):
             row.label = label
+            budget = (row.config.get("defense") or {}).get("budget")
+            if budget not in (None, "official") and "budget=" not in label:  # a cut budget is always named
+                row.label = ", ".join(filter(None, [label, f"budget={budget}"]))
     clean_controls(rows)
     rows.sort(key=lambda r: (r.dataset, r.table, r.defense, r.model, r.attack, r.target_mode, r.label, r.group_id))
     return rows
@@ -277,7 +297,9 @@ def clean_controls(rows: list[Row]) -> None:
         row.cells["ca_vs_clean"] = Cell(ca.mean - mean, (ca.std**2 + std**2) ** 0.5, ca.n)
 
 
-def cell_text(cell: Cell | None, column: Column, row_n: int) -> str:
+def cell_text(cell: Cell | NotApplicable | None, column: Column, row_n: int) -> str:
+    if isinstance(cell, NotApplicable):
+        return NOT_APPLICABLE
     if cell is None:
         return "–"
     text = column.fmt(cell.mean) if cell.n == 1 else f"{column.fmt(cell.mean)} ± {column.fmt(cell.std).lstrip('+')}"
@@ -299,7 +321,8 @@ def _key_values(row: Row) -> list[str]:
 TABLES = (("attacks", "Attacks (no defense)", ATTACK_COLUMNS), ("defenses", "Defenses", DEFENSE_COLUMNS))
 FOOTNOTE = (f"{FLAG} fewer than {FEW_SEEDS} seeds (n < {FEW_SEEDS}): read the spread with care. "
             "Mean ± sample std over seeds; (n=k) where only k of the row's runs have the value; "
-            "– where none has it (e.g. LPIPS without its weights, AUROC of a defense that does not detect).")
+            "– where none has it (e.g. LPIPS without its weights, AUROC of a defense that does not detect); "
+            "n/a where the defense's threat model excludes the attack (its records say why).")
 
 
 def _by_dataset(rows: list[Row]) -> dict[str, list[Row]]:
@@ -353,7 +376,10 @@ def to_csv(rows: list[Row], table: str) -> str:
         out = [values[k] for k in keys]
         for c in columns:
             cell = row.cells[c.key]
-            out += [repr(cell.mean), repr(cell.std), cell.n] if cell else ["", "", 0]
+            if isinstance(cell, NotApplicable):
+                out += [NOT_APPLICABLE, "", 0]
+            else:
+                out += [repr(cell.mean), repr(cell.std), cell.n] if cell else ["", "", 0]
         writer.writerow(out)
     return buffer.getvalue()
 

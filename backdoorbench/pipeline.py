@@ -354,6 +354,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     if logger is not None:
         logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
+    excluded = defense.not_applicable(attack) if defense is not None else None  # the threat models' pairing
     log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
              data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)
 
@@ -371,7 +372,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
 
     defended = der = detection = None
     defense_info: dict[str, Any] = {"name": "none"}
-    if defense is not None:
+    if defense is not None and excluded is not None:  # decided before any defense work: nothing is run
+        log.info("defense %s does not apply to %s: %s", defense.name, attack.name, excluded)
+        defense_info = {**defense.describe(), "applicable": False, "not_applicable": excluded}
+    elif defense is not None:
         if defense.needs_clean_data or defense.clean_fraction > 0:
             subset = clean_subset_indices(len(data.train), poisoned.indices, defense.clean_fraction, stream(seed, "clean_subset"))
         else:  # data-free defenses (CLP) run with no clean sample at all
@@ -401,7 +405,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
             with timed(timings, "pgd_defended"):
                 defended["pgd_acc"] = measure_pgd(repaired, data, cfg.eval.pgd, trainer.device)
         der = defense_effectiveness_rating(attacked, defended)
-        defense_info = {**defense.describe(), "clean_subset_size": int(len(subset)), "extras": outcome.extras}
+        defense_info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)),
+                        "extras": outcome.extras}
     timings["total"] = round(time.perf_counter() - started, 4)
 
     record = RunRecord(
@@ -470,6 +475,8 @@ def summary_table(record: RunRecord, path: Path) -> str:
         lines.append(f"{name:<{width}}  {m['clean_acc']:>7.2%}  {m['asr']:>7.2%}  {m['ra']:>7.2%}")
     if record.metrics["der"] is not None:
         lines.append(f"DER {record.metrics['der']:.4f}")
+    if record.defense.get("applicable") is False:
+        lines.append(f"defense {record.defense['name']}: not applicable ({record.defense['not_applicable']})")
     attack = record.attack
     target = f" target {attack['target']}" if attack["target"] is not None else ""
     # Data-poisoning attacks rewrite at least one training sample (a rate that poisons none is an

@@ -215,3 +215,36 @@ def test_ca_vs_clean_compares_with_the_control_trained_the_same_way(tmp_path):
     save(runs, "a1", group="ga", seed=1, attacked=(0.97, 1.0, 0.0))  # two seeds: mean ± std, the std unsigned
     write_leaderboard(tmp_path)
     assert "-1.00 ± 2.00 †" in (tmp_path / "leaderboard" / "leaderboard.md").read_text()
+
+
+def test_a_defense_whose_threat_model_excludes_the_attack_is_n_a_not_a_success(tmp_path):
+    runs = tmp_path / "runs"
+    reason = "wanet controls the victim's training ...; abl works on the stored training split only"
+    for seed in (0, 1, 2):
+        record_defense = {"name": "abl", "applicable": False, "not_applicable": reason}
+        metrics = {"attacked": {"clean_acc": 0.95, "asr": 0.9, "ra": 0.05}, "defended": None, "der": None,
+                   "detection": None}
+        record = make_record(run_id=f"n{seed}", group_id="gn", seed=seed, dataset={"name": "mnist5k"},
+                             model={"name": "mnist_cnn"},
+                             attack={"name": "wanet", "target_mode": "all2one", "target": 0, "poison_rate": 0.1,
+                                     "n_poisoned": 0, "poisoned_indices_sha256": "0" * 64},
+                             defense=record_defense, metrics=metrics, stealth=None,
+                             config=config(attack="wanet", defense={"_target_": "backdoorbench.defenses.abl.X"}))
+        save_record(record, runs / "mnist5k" / "wanet_all2one" / f"n{seed}.json")
+    files = write_leaderboard(tmp_path)
+    row = next(r for r in read_csv(files.csv["defenses"]) if r["group_id"] == "gn")
+    assert row["der_mean"] == row["asr_after_mean"] == row["ca_after_mean"] == "n/a"
+    line = next(line for line in files.markdown.read_text().splitlines() if "`gn" in line)
+    assert line.count("| n/a ") == 4 and "–" not in line.split("| 3 |")[1]
+    assert "n/a where the defense's threat model excludes the attack" in files.markdown.read_text()
+    assert ">n/a<" in files.html.read_text()
+
+
+def test_a_cut_defense_budget_is_named_in_the_setting_column(tmp_path):
+    runs = tmp_path / "runs"
+    defense = {"_target_": "backdoorbench.defenses.fine_tuning.FineTuning", "budget": "cpu", "epochs": None}
+    save(runs, "b0", group="gb", seed=0, defense="fine_tuning", defended=(0.95, 0.1, 0.8), der=0.9,
+         cfg=config(defense=defense))
+    files = write_leaderboard(tmp_path)
+    row = next(r for r in read_csv(files.csv["defenses"]) if r["group_id"] == "gb")
+    assert row["setting"] == "budget=cpu"  # the only row: nothing else differs, the cut is still named

@@ -70,10 +70,12 @@ class AdversarialNeuronPruning(Defense):
     `threshold` (or the lowest `prune_fraction`) have their BN scale set to zero, as the official
     code prunes. Defaults are the official ones: eps 0.4, one signed-gradient perturbation step
     of size eps, alpha 0.2, mask SGD lr 0.2 with momentum 0.9, 2,000 iterations of batch 128 drawn
-    with replacement and augmented, the model in training mode, threshold 0.2. Departures: the
+    with replacement and augmented, the model in training mode. Departures: one pruning threshold,
+    0.2 (the official code sweeps thresholds on test data, which a defense never sees); the
     perturbation is clipped to [-eps, eps] after its step, as the paper states (the official code
     lets one step leave the box); only BatchNorm2d neurons are perturbed (the architectures here
     have no BatchNorm1d). The optimization runs in float32 (no autocast).
+    Ledger: docs/fidelity.md#anp.
     """
 
     name = "anp"

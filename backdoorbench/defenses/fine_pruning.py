@@ -161,22 +161,26 @@ class FinePruning(Defense):
     accuracy (default 4 points), and at most `max_prune_ratio` of the channels go. The whole
     curve of clean-subset accuracy vs pruned fraction up to that ratio is recorded (test data never
     enters the defense; `prune_last_stage` rebuilds any point of it for test-set curves).
-    Fine-tuning uses the trainer's optimizer at `lr` for `epochs`, as `fine_tuning` does.
+    Fine-tuning uses the trainer's optimizer at `lr` for `epochs`, as `fine_tuning` does; budgets:
+    `official` 100 epochs (BackdoorBench), `cpu` 10. Ledger: docs/fidelity.md#fine-pruning.
     """
 
     name = "fine_pruning"
     stage = "post_train"
+    BUDGETS = {"official": {"epochs": 100}, "cpu": {"epochs": 10}}
 
     def __init__(
         self,
         *,
         max_acc_drop: float = 0.04,
         max_prune_ratio: float = 0.9,
-        epochs: int = 10,
+        budget: str = "official",
+        epochs: int | None = None,
         lr: float = 0.01,
         clean_fraction: float = 0.05,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
+        epochs = self.resolve_budget(budget, epochs=epochs)["epochs"]
         checks.number("defense", "max_acc_drop", max_acc_drop, 0, 1)
         checks.number("defense", "max_prune_ratio", max_prune_ratio, 0, 1, low_open=True, high_open=True)
         checks.integer("defense", "epochs", epochs, 0)
@@ -257,4 +261,4 @@ class FinePruning(Defense):
 
     def describe(self) -> dict:
         return {**super().describe(), "max_acc_drop": self.max_acc_drop, "max_prune_ratio": self.max_prune_ratio,
-                "epochs": self.epochs, "lr": self.lr}
+                "budget": self.budget, "epochs": self.epochs, "lr": self.lr}

@@ -73,6 +73,7 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
     to norms in the thousands on MNIST. (3) At least one image per batch carries delta (1% of a
     batch under 100 is none). (4) The official inner map always uses the first clean batch, ours
     the current batch. Everything runs in float32.
+    Ledger: docs/fidelity.md#i-bau.
     """
 
     name = "i_bau"
