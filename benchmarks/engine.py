@@ -23,7 +23,8 @@ load average before and after, and the thread counts.
     python benchmarks/engine.py --input-only --repeats 7 --threads 1    # the input path alone, no model
     python benchmarks/engine.py --profile --threads 1    # where the model's step time goes, by operator
 
-A figure-printing script, not a test. It runs unchanged on a GPU (device auto = CUDA if present).
+A figure-printing script, not a test. It is meant to run unchanged on a GPU (device auto = CUDA
+if present) but has not been run on one yet; benchmarks/gpu_check.py's throughput section uses it.
 """
 
 from __future__ import annotations

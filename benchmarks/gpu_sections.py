@@ -56,6 +56,11 @@ class Section:
     def save(self) -> None:
         atomic_write_text(self.workdir / f"{self.name}.json", json.dumps(self.result, indent=1))
 
+    def scratch(self, prefix: str) -> tempfile.TemporaryDirectory:
+        """A results folder for one command, inside the parent's work folder, so that it is
+        removed even when the guard kills this process before its own cleanup runs."""
+        return tempfile.TemporaryDirectory(prefix=prefix, dir=self.workdir)
+
     def item(self, key: str, measure: Callable[[], Any]) -> None:
         """result[key] = measure(), or the error it raised (one line); saved either way, so one
         failing part (an out-of-memory batch size, a missing kernel) does not hide the others."""
@@ -76,9 +81,10 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
-def run_command(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run a command as a user would; its wall time, exit code, the record it wrote (parsed from
-    its `record: <path>` line) and, when it failed, its last lines."""
+def run_command(argv: list[str], timeout: float, env: dict[str, str] | None = None,
+                results_dir: str | None = None) -> dict[str, Any]:
+    """Run a command as a user would; its wall time, exit code, the records it wrote (those under
+    `results_dir`, else those its `record: <path>` lines name) and, when it failed, its last lines."""
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, cwd=ROOT, env=env or cli_env(), capture_output=True, text=True,
@@ -88,6 +94,8 @@ def run_command(argv: list[str], timeout: float, env: dict[str, str] | None = No
     wall = time.perf_counter() - started
     out = {"wall_s": round(wall, 3), "returncode": proc.returncode}
     paths = re.findall(r"^record: (.+\.json)$", proc.stdout, flags=re.M)
+    if results_dir is not None:  # a sweep's workers may print elsewhere; the folder is the truth
+        paths = sorted(str(p) for p in (Path(results_dir) / "runs").rglob("*.json"))
     out["records"] = [json.loads(Path(p).read_text()) for p in paths if Path(p).exists()]
     if proc.returncode != 0:
         out["error"] = gc.last_lines(proc.stderr or proc.stdout, 3)
@@ -180,8 +188,8 @@ def environment(section: Section) -> None:
 
 
 THROUGHPUT_PLANS = {  # model -> (data, images, batch sizes); --tiny sizes second
-    "preact_resnet18": (("cifar-shaped", 50_000, (128, 512)), ("cifar-shaped", 16, (8, 16))),
-    "mnist_cnn": (("mnist5k", None, (128, 512)), ("mnist5k", 512, (128, 512))),
+    "preact_resnet18": (("cifar-shaped", 50_000, (128, 512)), ("cifar-shaped", 8, (4, 8))),
+    "mnist_cnn": (("mnist5k", None, (128, 512)), ("mnist5k", 256, (128, 256))),
 }
 
 
@@ -190,6 +198,7 @@ def throughput(section: Section) -> None:
     from benchmarks.engine import baseline_epoch, baseline_loader, build_net, load_data
 
     workers = (0, 2) if section.tiny else (4, 8)
+    warm_steps = 1 if section.tiny else 4
     peak = gc.assumed_peak_bf16_tflops(
         torch.cuda.get_device_name(section.device) if section.cuda else None, section.peak_tflops)[0]
     section.result.update(workers=list(workers), peak_bf16_tflops=peak, rounds=1)
@@ -205,7 +214,7 @@ def throughput(section: Section) -> None:
             def measure(batch=batch):
                 trainer = trainer_for(section, data, batch)
                 ours = Normalized(copy.deepcopy(initial), data.mean, data.std)
-                warm = data.train.subset(torch.arange(min(n, 4 * batch)))
+                warm = data.train.subset(torch.arange(min(n, warm_steps * batch)))
                 g = torch.Generator().manual_seed(2)
                 trainer.fit(ours, warm, generator=g)  # kernels chosen, allocator warm
                 ours_s = timed(lambda: trainer.fit(ours, data.train, generator=g), section.device)
@@ -217,7 +226,7 @@ def throughput(section: Section) -> None:
                     net = copy.deepcopy(initial).to(section.device, memory_format=trainer.memory_format)
                     sgd = SGD(net.parameters())
                     run = partial(baseline_epoch, net, loader, sgd, section.device, trainer.amp, trainer.memory_format)
-                    run(max_steps=4)
+                    run(max_steps=warm_steps)
                     row["dataloader_images_per_s"][str(w)] = n / timed(run, section.device)
                     del loader  # its persistent workers exit
                 best = max(row["dataloader_images_per_s"].values())
@@ -280,7 +289,7 @@ def default_job(section: Section) -> None:
     for mode, argv in modes:
         runs = []
         for i in range(2):
-            with tempfile.TemporaryDirectory(prefix="gpu_check_job_") as tmp:
+            with section.scratch("gpu_check_job_") as tmp:
                 env = {**cli_env(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if mode == "deterministic" else None
                 out = run_command(argv + default_job_overrides(section, tmp), section.remaining() - 5, env)
             runs.append(out)
@@ -350,7 +359,7 @@ def precision(section: Section) -> None:
                               f"trainer.amp={train_mode == 'autocast'}", "trainer.progress=false", *epochs)
                 data = build(cfg.dataset)
                 if section.tiny:
-                    data = train_subset(data, 256, test_count=200)
+                    data = train_subset(data, 128, test_count=200)
                 attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
                 trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
                 attack.prepare(trainer=trainer, train=data.train, generator=stream(0, "attack"),
@@ -419,10 +428,10 @@ def packing(section: Section) -> None:
         section.result["note"] = "--tiny: 0 training epochs, the launch path only; runs/hour mean nothing here"
     for n in counts:
         def measure(n=n):
-            with tempfile.TemporaryDirectory(prefix="gpu_check_pack_") as tmp:
+            with section.scratch("gpu_check_pack_") as tmp:
                 argv = cli("--multirun", "hydra/launcher=gpu_pack", f"hydra.launcher.n_jobs={n}",
                            "seed=" + ",".join(str(s) for s in range(n)), *default_job_overrides(section, tmp, epochs=0))
-                out = run_command(argv, section.remaining() - 5)
+                out = run_command(argv, section.remaining() - 5, results_dir=tmp)
             if "error" in out:
                 return {"error": out["error"]}
             records = out["records"]
@@ -453,7 +462,7 @@ def ddp(section: Section) -> None:
         runs = json.loads(previous.read_text()).get("plain", {}).get("runs", [])
         reference = next((r["metrics"] for r in runs if "metrics" in r), None)
     if reference is None:
-        with tempfile.TemporaryDirectory(prefix="gpu_check_ddp_") as tmp:
+        with section.scratch("gpu_check_ddp_") as tmp:
             out = run_command(cli(*default_job_overrides(section, tmp)), section.remaining() - 5)
         reference = metrics_of(out["records"][0]) if out.get("records") else None
     section.result["one_process_metrics"] = reference
@@ -461,7 +470,7 @@ def ddp(section: Section) -> None:
     gpus = torch.cuda.device_count() if section.cuda else 1
     for nproc in sorted({1, gpus}):
         def measure(nproc=nproc):
-            with tempfile.TemporaryDirectory(prefix="gpu_check_ddp_") as tmp:
+            with section.scratch("gpu_check_ddp_") as tmp:
                 argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                         "-m", "backdoorbench", *default_job_overrides(section, tmp)]
                 out = run_command(argv, section.remaining() - 5)
