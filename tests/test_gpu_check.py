@@ -98,6 +98,7 @@ def test_targets_pass_fail_and_not_measured():
         "host syncs per step, mnist_cnn": True,
         "host syncs per step, preact_resnet18": False,
     }
+    assert {t["pass"] for t in gc.targets(sections, device="cpu")} == {None}  # GPU targets, not judged on a CPU
 
 
 def test_has_numbers_ignores_errors_and_flags():
@@ -161,7 +162,8 @@ def test_tiny_cpu_mode_runs_every_section_or_says_why_not(tiny_report):
         else:
             assert gc.has_numbers(section["result"]), name
     assert report["sections"]["host_syncs"] == {"status": "skipped", "reason": "no CUDA"}
-    assert "skipped: no CUDA" in stdout and "targets" in stdout and f"report: {out}" in stdout
+    assert "host_syncs" in stdout and "no CUDA" in stdout and f"report: {out}" in stdout
+    assert "not judged (a GPU target)" in stdout
     assert [p.name for p in out.parent.iterdir()] == ["report.json"]  # written atomically: no temp file left
 
 
