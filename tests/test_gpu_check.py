@@ -106,6 +106,24 @@ def test_has_numbers_ignores_errors_and_flags():
     assert not gc.has_numbers({"a": {"error": "boom"}, "ok": True, "x": float("nan")})
 
 
+def test_gpu_pack_is_the_joblib_launcher_with_its_own_n_jobs():
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from backdoorbench.config import ignore_launcher_schema_match
+
+    ignore_launcher_schema_match()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="backdoorbench.conf", version_base="1.3"):
+            pack = compose(config_name="config", overrides=["hydra/launcher=gpu_pack"], return_hydra_config=True)
+            joblib = compose(config_name="config", overrides=["hydra/launcher=joblib"], return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+    assert pack.hydra.launcher.n_jobs == 4
+    assert {**pack.hydra.launcher, "n_jobs": None} == {**joblib.hydra.launcher, "n_jobs": None}
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
