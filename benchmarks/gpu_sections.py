@@ -348,7 +348,8 @@ def precision(section: Section) -> None:
     from backdoorbench.metrics import evaluate
     from backdoorbench.pipeline import build, build_model, stream
 
-    epochs = ["trainer.epochs=1", "attack.stage1_epochs=1"] if section.tiny else []
+    # Small victims: four of them must fit the section's guard on a GPU.
+    epochs = ["trainer.epochs=1", "attack.stage1_epochs=1"] if section.tiny else ["trainer.epochs=4"]
     # Victims trained under the trainer's autocast (CUDA's default) and in fp32; the CPU trainer
     # has no autocast, so there only the fp32 victim is trained and both are evaluated.
     train_modes = ("autocast", "fp32") if section.cuda else ("fp32",)
