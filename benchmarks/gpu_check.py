@@ -367,7 +367,7 @@ def run_guarded(name: str, args: argparse.Namespace, workdir: Path, guard_s: flo
     result = json.loads(saved.read_text()) if saved.exists() else {}
     entry: dict[str, Any] = {"status": "ok", "seconds": seconds, "result": result}
     if timed_out:
-        entry.update(status="timeout", error=f"stopped by its {guard_s:.0f} s guard")
+        entry.update(status="timeout", error=f"stopped by its {guard_s:.3g} s guard")
     elif proc.returncode != 0:
         entry.update(status="error", error=f"exit {proc.returncode}: {last_lines(log.read_text(), 2)}")
     elif not has_numbers(result):

@@ -171,6 +171,7 @@ def environment(section: Section) -> None:
     r.update(python=platform.python_version(), torch=torch.__version__, torchvision=torchvision.__version__,
              cuda=torch.version.cuda, cpu_count=os.cpu_count(), device=str(section.device),
              gpus_visible=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    section.save()  # the versions, even if the device cannot be queried
     if section.cuda:
         props = torch.cuda.get_device_properties(section.device)
         r.update(device_name=props.name, memory_gib=round(props.total_memory / 2**30, 2),

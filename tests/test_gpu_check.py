@@ -156,6 +156,26 @@ def test_without_a_gpu_the_full_sizes_need_tiny_or_an_explicit_cpu(tmp_path, cap
     assert list(tmp_path.iterdir()) == []
 
 
+# ----------------------------------------------------------------------------- the guard
+
+
+def guard_args(device: str = "cpu"):
+    return gc.parse_args(["--device", device, "--tiny"])
+
+
+def test_a_section_past_its_guard_is_killed_and_recorded(tmp_path):
+    entry = gc.run_guarded("environment", guard_args(), tmp_path, guard_s=0.5)
+    assert entry["status"] == "timeout" and entry["error"] == "stopped by its 0.5 s guard"
+    assert entry["seconds"] < 10 and entry["result"] == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to make the section fail")
+def test_a_failing_section_is_recorded_with_its_last_lines(tmp_path):
+    entry = gc.run_guarded("environment", guard_args("cuda"), tmp_path, guard_s=120)
+    assert entry["status"] == "error" and entry["error"].startswith("exit 1: ")
+    assert "Error" in entry["error"]  # the exception's last line, e.g. torch's "no NVIDIA driver"
+
+
 # ----------------------------------------------------------------------------- the tiny CPU mode
 
 
