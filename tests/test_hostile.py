@@ -64,7 +64,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("unknown optimizer", fixed("trainer/optimizer=nope"), "unknown trainer/optimizer 'nope'; choose one of: adam, sgd"),
     ("unknown value in a sweep", fixed("--multirun", "attack=badnets,nope"), "unknown attack 'nope'"),
     ("unknown launcher", fixed("--multirun", "hydra/launcher=nope"),
-     "unknown hydra/launcher 'nope'; choose one of: basic, joblib, submitit_local, submitit_slurm"),
+     "unknown hydra/launcher 'nope'; choose one of: basic, gpu_pack, joblib, submitit_local, submitit_slurm"),
     ("unknown target mode", fixed("attack.target_mode=some2some"),
      "attack.target_mode='some2some' is unknown; choose one of: all2one, all2all"),
     # near misses: the line names what was probably meant
