@@ -89,6 +89,11 @@ class Run:
 def save_figure(fig, out_dir: Path, stem: str) -> list[Path]:
     """`stem`.png and `stem`.pdf under `out_dir`, each written atomically."""
     paths = []
+    if fig.get_layout_engine() is not None:
+        # lay the figure out once, then keep those positions: each save (and bbox_inches="tight")
+        # would otherwise redo constrained layout, the costliest part of a page of images
+        fig.canvas.draw()
+        fig.set_layout_engine("none")
     for suffix in ("png", "pdf"):
         buffer = io.BytesIO()
         fig.savefig(buffer, format=suffix, dpi=150, bbox_inches="tight", metadata={"CreationDate": None} if suffix == "pdf" else None)

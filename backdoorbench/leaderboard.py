@@ -451,7 +451,8 @@ def to_markdown(rows: list[Row], filters: dict[str, str | None] | None = None) -
                 part_rows = [r for r in chosen if r.canonical == canonical]
                 if not part_rows:
                     continue
-                lines += ["", f"#### {part} ({len(part_rows)} rows)", "",
+                count = f"{len(part_rows)} row" + ("s" if len(part_rows) != 1 else "")
+                lines += ["", f"#### {part} ({count})", "",
                           "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
                 for row in part_rows:
                     lines.append("| " + " | ".join(c.replace("|", "\\|") for c in _cells(row, shape)) + " |")
@@ -587,7 +588,7 @@ def to_html(rows: list[Row], filters: dict[str, str | None] | None = None, notes
                 continue
             shape = layout(chosen, table)
             n_canonical = sum(r.canonical for r in chosen)
-            note = f"{n_canonical} canonical rows, {len(chosen) - n_canonical} others. " + _layout_note(shape)
+            note = f"Canonical rows: {n_canonical}, others: {len(chosen) - n_canonical}. " + _layout_note(shape)
             parts += [f"<h3>{esc(title)}</h3>", f'<p class="note">{esc(note)}</p>',
                       f'<div class="scroll"><table class="sortable" data-table="{table}"><thead><tr>']
             for key in shape.keys:
