@@ -119,6 +119,30 @@ class NotApplicable:
 NOT_APPLICABLE = "n/a"
 
 
+def exclusion(record: RunRecord) -> str | None:
+    """Why the record's defense never met its attack, or None. A record says so itself
+    (`applicable: false`, since the pipeline asks the defense); a record made before it asked
+    is judged the same way from the classes its config names, so an old run of, e.g., ABL
+    against WaNet is shown n/a too, not as the success its numbers seem to say."""
+    if record.defense.get("applicable") is False:
+        return str(record.defense.get("not_applicable", ""))
+    if "applicable" in record.defense or record.defense.get("name") in (None, "none"):
+        return None
+    from hydra.utils import get_class
+
+    from backdoorbench.attacks.base import TrainingAttack
+    try:
+        defense_cls = get_class(record.config["defense"]["_target_"])
+        attack_cls = get_class(record.config["attack"]["_target_"])
+    except Exception:  # a record of a class that no longer exists: nothing to judge it by
+        return None
+    if issubclass(attack_cls, TrainingAttack) and not getattr(defense_cls, "meets_training_controlled_attacks", True):
+        return (f"{record.attack['name']} poisons inside its own training step; {record.defense['name']} works on the "
+                "stored training split only, so it never meets the attack (judged from the record's config: the "
+                "record predates the check)")
+    return None
+
+
 @dataclass
 class Row:
     table: str  # "attacks" or "defenses"
@@ -275,8 +299,8 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
                   seeds=[r.seed for r in members], config=first.config, run_ids=[r.run_id for r in members],
                   record_paths=[p for _, p in pairs], command=rerun_command(members),
                   created_at=max(r.created_at for r in members))
-        excluded = first.defense.get("applicable") is False  # the same config: every seed agrees
-        row.cells = {c.key: NotApplicable(first.defense.get("not_applicable", "")) if excluded
+        excluded = exclusion(first)  # the same config: every seed agrees
+        row.cells = {c.key: NotApplicable(excluded) if excluded is not None
                      else summarize([c.read(r) for r in members]) for c in columns}
         rows.append(row)
     peers: dict[tuple, list[Row]] = defaultdict(list)

@@ -384,3 +384,17 @@ def test_every_numeric_header_of_every_table_sorts_in_a_real_browser(tmp_path):
         gap = browser.evaluate(f"{box}.querySelector('th').getBoundingClientRect().top - {box}.getBoundingClientRect().top")
         assert top > 0 and 0 <= gap <= 2
         assert browser.errors == []
+
+
+def test_an_old_record_of_an_excluded_pair_is_n_a_too(tmp_path):
+    # Records made before the pipeline asked the defense carry no `applicable`: the leaderboard
+    # judges them from the classes their config names, so ABL vs WaNet is n/a, ABL vs BadNets is not.
+    runs = tmp_path / "runs"
+    for attack, cls in (("wanet", "WaNet"), ("badnets", "BadNets")):
+        cfg = config(attack=attack, defense={"_target_": "backdoorbench.defenses.abl.AntiBackdoorLearning"})
+        cfg["attack"]["_target_"] = f"backdoorbench.attacks.{attack}.{cls}"
+        save(runs, f"o{attack}", group=f"g{attack}", seed=0, attack=attack, defense="abl",
+             defended=(0.95, 0.1, 0.8), der=0.95, cfg=cfg)
+    rows = {r["group_id"]: r for r in read_csv(write_leaderboard(tmp_path).csv["defenses"])}
+    assert rows["gwanet"]["der_mean"] == "n/a" and rows["gwanet"]["asr_after_mean"] == "n/a"
+    assert float(rows["gbadnets"]["der_mean"]) == 0.95
