@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from backdoorbench.errors import DataError
-from backdoorbench.fileio import atomic_write_bytes
+from backdoorbench.fileio import atomic_write_bytes, write_new_bytes
 
 
 def to_array(name: str, value: Any) -> np.ndarray:
@@ -35,15 +35,16 @@ def to_array(name: str, value: Any) -> np.ndarray:
     return array
 
 
-def save_artifacts(path: str | Path, arrays: Mapping[str, Any]) -> Path:
-    """Write `arrays` to the .npz `path` atomically (temp file + fsync + rename)."""
+def save_artifacts(path: str | Path, arrays: Mapping[str, Any], *, exclusive: bool = False) -> Path:
+    """Write `arrays` to the .npz `path` atomically (temp file + fsync + rename); `exclusive`:
+    FileExistsError rather than replace an existing file."""
     path = Path(path)
     if path.suffix != ".npz":
         raise ValueError(f"artifacts go to an .npz file, got {path}")
     converted = {name: to_array(name, value) for name, value in arrays.items()}
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **converted)
-    atomic_write_bytes(path, buffer.getvalue())
+    (write_new_bytes if exclusive else atomic_write_bytes)(path, buffer.getvalue())
     return path
 
 
@@ -59,12 +60,11 @@ def load_artifacts(path: str | Path) -> dict[str, np.ndarray]:
 
 def write_beside_record(record_path: str | Path, arrays: Mapping[str, Any]) -> str | None:
     """Save `arrays` as `<record path without .json>.npz` and return its file name (for the
-    record's `artifacts` field), or remove a stale file and return None when there is nothing."""
-    path = Path(record_path).with_suffix(".npz")
+    record's `artifacts` field), or None when there is nothing. Like the record, it never replaces
+    a file of another run: FileExistsError if the name is taken."""
     if not arrays:
-        path.unlink(missing_ok=True)  # an earlier run of the same config left one
         return None
-    return save_artifacts(path, arrays).name
+    return save_artifacts(Path(record_path).with_suffix(".npz"), arrays, exclusive=True).name
 
 
 def example_artifacts(model: torch.nn.Module, examples: Tensor, trainer) -> dict[str, Tensor]:

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 import backdoorbench.config  # noqa: F401  (registers the schemas)
 from backdoorbench.config import GROUPS, ignore_launcher_schema_match
 from backdoorbench.errors import ConfigError, UserError
+from backdoorbench.suggest import bare_word_hint, key_hint, option_hint
 
 CONFIG_MODULE = "backdoorbench.conf"
 VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
@@ -110,7 +111,53 @@ def _check_group_choices(overrides: list[str]) -> None:
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
         for value in values:
             if not isinstance(value, str) or value not in valid:
-                raise ConfigError(f"unknown {group} {value!r}; choose one of: {', '.join(valid)}")
+                hint = option_hint(group, str(value), valid)
+                options = f"one of: {', '.join(valid)}"
+                if hint is None:
+                    raise ConfigError(f"unknown {group} {value!r}; choose {options}")
+                joined = f"{hint} Or choose" if hint.endswith("?") else f"{hint}, or choose"
+                raise ConfigError(f"unknown {group} {value!r}; {joined} {options}")
+
+
+SUBGROUPS = ("trainer/optimizer", "hydra/launcher")
+
+
+def _check_bare_words(overrides: list[str]) -> None:
+    """`attack badnets` (no `=`): Hydra's parser says "missing EQUAL at '<EOF>'"; say what to write."""
+    if all("=" in word or word.startswith("~") for word in overrides):
+        return
+    loader = GlobalHydra.instance().config_loader()
+    groups = {group: sorted(o for o in _group_options(loader, group) if not o.startswith("_"))
+              for group in (*GROUPS, *SUBGROUPS)}
+    keys = compose(config_name="config", return_hydra_config=True).keys()
+    hint = bare_word_hint(overrides, groups, keys)
+    if hint:
+        raise ConfigError(hint)
+
+
+def _key_hint(overrides: list[str]) -> str | None:
+    """For a key Hydra could not override: `X is not a setting of ...; did you mean Y?`, or None.
+    Composes the command line's group choices alone (their first value) to see which keys exist."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices, keys = [], []
+    for override in parsed:
+        first = next(iter(override.sweep_string_iterator())) if override.is_sweep_override() else override.value()
+        if override.key_or_group.split("/")[0] in (*GROUPS, "hydra") and "." not in override.key_or_group \
+                and override.package is None and not override.is_delete():
+            choices.append(f"{override.get_key_element()}={first}")
+        elif not override.is_add() and not override.is_force_add() and not override.is_delete():
+            keys.append(override.key_or_group)
+    if not keys:
+        return None
+    cfg = compose(config_name="config", overrides=choices, return_hydra_config=True)
+    for key in keys:
+        hint = key_hint(key, cfg)
+        if hint:
+            head = key.split(".")[0]
+            choice = cfg.hydra.runtime.choices.get(head)
+            owner = f" of {head} {choice}" if choice is not None and head in GROUPS else ""
+            return f"{key} is not a setting{owner}; {hint}"
+    return None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -141,11 +188,14 @@ def preflight(argv: list[str]) -> None:
 
     overrides, skip = split_overrides(argv)
     if skip:
+        if any(arg in ("-h", "--help") for arg in argv):
+            _check_help_overrides(overrides)  # the page shows the choices: a wrong one is a line too
         return
     ignore_launcher_schema_match()  # again: a caller (e.g. pytest) may have reset the filters
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            _check_bare_words(overrides)
             _check_group_choices(overrides)
             if any(arg in ("-m", "--multirun") for arg in argv):
                 overrides = with_preset_sweeps(overrides)
@@ -161,9 +211,30 @@ def preflight(argv: list[str]) -> None:
     except UserError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(_one_line(exc)) from exc
+        raise ConfigError(_near_miss(overrides) or _one_line(exc)) from exc
     finally:
         GlobalHydra.instance().clear()
+
+
+def _check_help_overrides(overrides: list[str]) -> None:
+    """The checks of names alone (no values, no folders) for `--help [overrides]`."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            _check_bare_words(overrides)
+            _check_group_choices(overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _near_miss(overrides: list[str]) -> str | None:
+    """A key spelled nearly right, named with its fix; None (keep Hydra's message) otherwise."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return _key_hint(overrides)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return None  # the group choices alone fail too: Hydra's own message says why
 
 
 # Folders that did not exist before this process's preflight: a run that fails may remove them

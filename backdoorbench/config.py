@@ -13,6 +13,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from backdoorbench import help_page
+
 GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "paper", "experiment")
 
 
@@ -62,7 +64,7 @@ class RunSchema:
     eval: EvalSchema = field(default_factory=EvalSchema)
     seed: int = 0
     device: str = "auto"
-    results_dir: str = "results"
+    results_dir: str = "outputs"  # never the committed results/: those are made with results_dir=results
     cache: bool = True  # reuse a victim trained before with the same dataset/model/attack/trainer/seed
     cache_dir: Optional[str] = None  # null = <results_dir>/cache/victims
 
@@ -80,6 +82,7 @@ def ignore_launcher_schema_match() -> None:
 
 
 ignore_launcher_schema_match()
+help_page.register()  # the config-group listing of --help (conf/hydra/help/backdoorbench.yaml)
 
 store = ConfigStore.instance()
 store.store(name="run_schema", node=RunSchema)

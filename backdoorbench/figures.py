@@ -1,14 +1,22 @@
-"""`python -m backdoorbench.figures [results_dir=DIR] [dataset=NAME] [residual_scale=10]`.
+"""`python -m backdoorbench.figures [results_dir=DIR] [dataset=NAME] [attacks=A,B] [residual_scale=10]`.
 
 Paper figures drawn from records and their artifacts only (never retraining), as PNG and PDF
 under `<results_dir>/figures/`, one file per figure and dataset, with a panel (or row) per attack:
 
-1. trigger gallery: clean, poisoned, residual |poisoned - clean| x residual_scale;
-2. CA and ASR vs poison rate (runs without a defense that differ only in poison rate and seed);
+1. trigger gallery: clean, poisoned, and the residual |poisoned - clean| as a heat map with its
+   colour bar (full scale 1/residual_scale of the pixel range);
+2. CA and ASR vs poison rate on a log axis (runs without a defense that differ only in poison
+   rate and seed), a panel per attack, mode and setting;
 3. Neural Cleanse anomaly index per class, threshold line at 2;
 4. STRIP entropy histograms, clean vs triggered test inputs;
 5. fine-pruning: CA and ASR vs fraction of channels pruned (before fine-tuning);
-6. GradCAM heatmaps of clean and poisoned inputs on the attacked model.
+6. GradCAM heatmaps of clean and poisoned inputs on the attacked model, with a colour bar.
+
+Figures 1 and 6 have a row per attack and mode, split into pages of ROWS_PER_PAGE rows
+(`<stem>_page<k>`); `attacks=` keeps only the attacks named, in files named after them
+(`<stem>_badnets-wanet`). Panel titles name the attack, its
+mode and setting (poison rate, training, seed); a legend shared by the panels sits in a spare panel
+or below them, never over a curve.
 
 A figure whose data is absent is skipped with one line naming the runs that would produce it.
 """
@@ -30,6 +38,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.cm import ScalarMappable  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import NullLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from backdoorbench import checks  # noqa: E402
@@ -40,8 +52,16 @@ from backdoorbench.fileio import atomic_write_bytes, ensure_writable_dir  # noqa
 from backdoorbench.leaderboard import filter_records, load_records_with_paths, parse_args, setting_labels  # noqa: E402
 from backdoorbench.records import RunRecord, artifacts_path  # noqa: E402
 
-USAGE = "usage: python -m backdoorbench.figures [results_dir=DIR] [dataset=NAME] [residual_scale=10]"
+USAGE = "usage: python -m backdoorbench.figures [results_dir=DIR] [dataset=NAME] [attacks=NAME,NAME] [residual_scale=10]"
+HELP = f"""{USAGE}
+
+Draws the figures from the run records under <results_dir>/runs (and the arrays saved beside
+them) into <results_dir>/figures, as PNG and PDF; a figure whose runs are missing is skipped
+with the command that makes them. dataset= keeps one dataset; attacks= draws the trigger gallery and GradCAM
+figures for those attacks only (files named after them); residual_scale= multiplies the poisoned-minus-clean
+residuals of the trigger gallery. results_dir defaults to results (the committed figures)."""
 EXAMPLES_SHOWN = 2  # example images per attack in the gallery and GradCAM figures
+ROWS_PER_PAGE = 6  # attack rows per page of the gallery and GradCAM figures: a page a journal can print
 
 
 @dataclass
@@ -76,12 +96,28 @@ class Run:
 def save_figure(fig, out_dir: Path, stem: str) -> list[Path]:
     """`stem`.png and `stem`.pdf under `out_dir`, each written atomically."""
     paths = []
+    if fig.get_layout_engine() is not None:
+        # lay the figure out once, then keep those positions: each save (and bbox_inches="tight")
+        # would otherwise redo constrained layout, the costliest part of a page of images
+        fig.canvas.draw()
+        fig.set_layout_engine("none")
     for suffix in ("png", "pdf"):
         buffer = io.BytesIO()
         fig.savefig(buffer, format=suffix, dpi=150, bbox_inches="tight", metadata={"CreationDate": None} if suffix == "pdf" else None)
         paths.append(atomic_write_bytes(out_dir / f"{stem}.{suffix}", buffer.getvalue()))
     plt.close(fig)
     return paths
+
+
+def save_pages(figures: list, out_dir: Path, stem: str) -> list[Path]:
+    """One figure: `stem`.png/.pdf; several: `stem`_page1.png/.pdf, ... Pages of `stem` left from an
+    earlier, longer run are removed, so the folder never mixes two runs' pages."""
+    names = [stem] if len(figures) == 1 else [f"{stem}_page{k}" for k in range(1, len(figures) + 1)]
+    written = [path for fig, name in zip(figures, names) for path in save_figure(fig, out_dir, name)]
+    for old in [*out_dir.glob(f"{stem}.*"), *out_dir.glob(f"{stem}_page*.*")]:
+        if old.suffix in (".png", ".pdf") and old not in written:
+            old.unlink()
+    return written
 
 
 def pick_per_attack(runs: list[Run], needs: tuple[str, ...], defense: str | None = None) -> dict[str, dict[str, Run]]:
@@ -105,50 +141,117 @@ def _image(array: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
     return np.transpose(array[:3], (1, 2, 0)), {}
 
 
-def _grid(rows: int, cols: int, size: float = 1.6):
-    fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows + 0.4), squeeze=False)
+def _grid(rows: int, cols: int, size: float = 1.3):
+    # constrained layout sizes the margins to the labels, title and colour bar: no blank band, no overlap
+    fig, axes = plt.subplots(rows, cols, figsize=(size * cols + 2.4, size * rows + 0.9), squeeze=False,
+                             layout="constrained")
     for ax in axes.flat:
         ax.set_xticks([])
         ax.set_yticks([])
     return fig, axes
 
 
+def _row_label(ax, label: str) -> None:
+    """The attack and its mode, on two lines, horizontal, left of the row."""
+    ax.set_ylabel(label.replace(" ", "\n", 1), rotation=0, ha="right", va="center", fontsize=9, labelpad=6)
+
+
+def _pages(by_attack: dict[str, Run]) -> list[list[tuple[str, Run]]]:
+    """Rows split into pages of at most ROWS_PER_PAGE, as even as they can be: 24 -> 6 x 4, 16 -> 6, 5, 5."""
+    items = list(by_attack.items())
+    count = math.ceil(len(items) / ROWS_PER_PAGE)
+    sizes = [len(items) // count + (k < len(items) % count) for k in range(count)]
+    starts = np.cumsum([0, *sizes])
+    return [items[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _page_title(title: str, page: int, pages: int) -> str:
+    return title if pages == 1 else f"{title} (page {page} of {pages})"
+
+
+def _panel_columns(count: int) -> int:
+    """Columns for `count` panels and their shared legend: the legend takes a spare slot if there is
+    one; the fewest slots left empty, three columns on a tie."""
+    if count <= 3:
+        return count
+    def wasted(cols: int) -> int:
+        spare = -count % cols
+        return spare - 1 if spare else 0
+    return min((3, 4), key=lambda cols: (wasted(cols), cols))
+
+
 def _panels(count: int, width: float = 3.6, height: float = 2.8):
-    cols = min(count, 3)
+    """A figure with `count` panels; the first spare slot (if any) is returned for the legend."""
+    cols = _panel_columns(count)
     rows = math.ceil(count / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
-    for ax in axes.flat[count:]:
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.6), squeeze=False,
+                             layout="constrained")
+    spare = list(axes.flat[count:])
+    for ax in spare:
         ax.set_visible(False)
-    return fig, list(axes.flat[:count])
+    return fig, list(axes.flat[:count]), (spare[0] if spare else None)
 
 
-def _run_tag(run: Run) -> str:
-    return f"seed {run.record.seed}, run {run.record.run_id[:8]}"
+def _shared_legend(fig, source, spare) -> None:
+    """One legend for panels that draw the same things (`source`: an axes that draws them all, or
+    its handles): in the spare panel, or below the panels."""
+    handles = source if isinstance(source, list) else source.get_legend_handles_labels()[0]
+    labels = [h.get_label() for h in handles]
+    if spare is not None:
+        spare.set_visible(True)
+        spare.axis("off")
+        spare.legend(handles, labels, loc="center", fontsize=9, frameon=False)
+    else:
+        # below the panels: above them it would meet the figure's title
+        fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9, frameon=False)
 
 
-def trigger_gallery(runs: list[Run], out: Path, residual_scale: float = 10.0) -> list[Path]:
+def _training(config: dict[str, Any]) -> str:
+    trainer = config.get("trainer") or {}
+    text = f"{trainer.get('epochs', '?')} ep"
+    return text if trainer.get("augment", True) else text + ", no aug"
+
+
+def _setting(run: Run) -> str:
+    """What a reader needs to place the panel: poison rate, training and seed (not a run hash)."""
+    rate = run.record.attack.get("poison_rate")
+    poisoned = f"poison rate {100 * float(rate):g}%, " if rate is not None else ""
+    return f"{poisoned}{_training(run.record.config)}, seed {run.record.seed}"
+
+
+def trigger_gallery(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     written = []
+    residual_map = plt.get_cmap("magma")
     for dataset, by_attack in pick_per_attack(runs, ("examples_clean", "examples_poisoned")).items():
-        shown = EXAMPLES_SHOWN
-        fig, axes = _grid(len(by_attack), 3 * shown)
-        for row, (label, run) in enumerate(by_attack.items()):
-            clean, poisoned = run.artifacts["examples_clean"], run.artifacts["examples_poisoned"]
-            for i in range(min(shown, len(clean))):
-                residual = np.abs(poisoned[i] - clean[i]) * residual_scale
-                for j, (title, array) in enumerate((("clean", clean[i]), ("poisoned", poisoned[i]),
-                                                    (f"residual x{residual_scale:g}", residual))):
-                    ax = axes[row, 3 * i + j]
-                    image, kwargs = _image(array)
-                    ax.imshow(image, **kwargs)
+        shown, pages, figures = EXAMPLES_SHOWN, _pages(by_attack), []
+        for page, items in enumerate(pages, start=1):
+            fig, axes = _grid(len(items), 3 * shown)
+            residual_image = None
+            for row, (label, run) in enumerate(items):
+                clean, poisoned = run.artifacts["examples_clean"], run.artifacts["examples_poisoned"]
+                for i in range(min(shown, len(clean))):
+                    image, kwargs = _image(clean[i])
+                    axes[row, 3 * i].imshow(image, **kwargs)
+                    image, kwargs = _image(poisoned[i])
+                    axes[row, 3 * i + 1].imshow(image, **kwargs)
+                    # the largest change over the channels, in pixel units: colour, not contrast-stretched grey
+                    residual = np.abs(poisoned[i] - clean[i]).max(axis=0)
+                    residual_image = axes[row, 3 * i + 2].imshow(residual, cmap=residual_map, vmin=0,
+                                                                 vmax=1 / residual_scale)
                     if row == 0:
-                        ax.set_title(title, fontsize=8)
-            axes[row, 0].set_ylabel(label, fontsize=8)
-        fig.suptitle(f"Trigger gallery, {dataset}")
-        written += save_figure(fig, out, f"{dataset}_1_trigger_gallery")
+                        for j, title in enumerate(("clean", "poisoned", "|poisoned − clean|")):
+                            axes[row, 3 * i + j].set_title(title, fontsize=9)
+                _row_label(axes[row, 0], label)
+            if residual_image is not None:
+                fig.colorbar(residual_image, ax=axes[:, 2::3].ravel().tolist(), shrink=min(0.9, 2.5 / len(items)),
+                             extend="max", label=f"|poisoned − clean|, pixel units (brightest: ≥ {1 / residual_scale:g})")
+            fig.suptitle(_page_title(f"Trigger gallery, {dataset}", page, len(pages)))
+            figures.append(fig)
+        written += save_pages(figures, out, f"{dataset}_1_trigger_gallery{suffix}")
     return written
 
 
-def poison_rate_curves(runs: list[Run], out: Path, residual_scale: float = 10.0) -> list[Path]:
+def poison_rate_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     from backdoorbench.pipeline import config_hash
 
     drop = NON_RESULT_KEYS + ("seed", "attack.poison_rate")
@@ -158,124 +261,144 @@ def poison_rate_curves(runs: list[Run], out: Path, residual_scale: float = 10.0)
             continue
         key = (run.dataset, run.record.attack["name"], run.record.attack["target_mode"])
         series[key][config_hash(run.record.config, drop)].append(run)
-    plotted: dict[str, dict[str, list[tuple[str, list[Run]]]]] = defaultdict(lambda: defaultdict(list))
+    # dataset -> panels: (title, runs of one setting that differ only in poison rate and seed)
+    panels: dict[str, list[tuple[str, list[Run]]]] = defaultdict(list)
     for (dataset, attack, mode), by_setting in sorted(series.items()):
-        kept = [(s, members) for s, members in sorted(by_setting.items())
+        kept = [members for _, members in sorted(by_setting.items())
                 if len({m.record.attack["poison_rate"] for m in members}) >= 2]
-        labels = setting_labels([members[0].record.config for _, members in kept])
-        for (_, members), label in zip(kept, labels):
-            label = label.replace("poison_rate=", "").strip(", ")
-            plotted[dataset][attack].append((mode + (f" ({label})" if label and len(kept) > 1 else ""), members))
+        labels = setting_labels([members[0].record.config for members in kept])
+        for members, label in zip(kept, labels):
+            label = ", ".join(part for part in label.split(", ") if not part.startswith("poison_rate="))
+            title = f"{attack} {mode}\n{_training(members[0].record.config)}" + (f"; {label}" if label else "")
+            panels[dataset].append((title, members))
     written = []
-    for dataset, by_attack in sorted(plotted.items()):
-        fig, axes = _panels(len(by_attack))
-        for ax, (attack, lines) in zip(axes, sorted(by_attack.items())):
-            for label, members in lines:
-                by_rate: dict[float, list[RunRecord]] = defaultdict(list)
-                for m in members:
-                    by_rate[float(m.record.attack["poison_rate"])].append(m.record)
-                rates = sorted(by_rate)
-                for metric, style in (("clean_acc", "o-"), ("asr", "s--")):
-                    values = [[r.metrics["attacked"][metric] for r in by_rate[rate]] for rate in rates]
-                    mean = np.array([np.mean(v) for v in values])
-                    std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
-                    name = "CA" if metric == "clean_acc" else "ASR"
-                    ax.errorbar(rates, 100 * mean, yerr=100 * std, fmt=style, capsize=3, label=f"{name}, {label}")
-            ax.set_title(attack, fontsize=10)
-            ax.set_xlabel("poison rate")
-            ax.set_ylabel("%")
+    for dataset, chosen in sorted(panels.items()):
+        fig, axes, spare = _panels(len(chosen))
+        for ax, (title, members) in zip(axes, chosen):
+            by_rate: dict[float, list[RunRecord]] = defaultdict(list)
+            for m in members:
+                by_rate[float(m.record.attack["poison_rate"])].append(m.record)
+            rates = sorted(by_rate)
+            for metric, style, name in (("clean_acc", "o-", "CA"), ("asr", "s--", "ASR")):
+                values = [[r.metrics["attacked"][metric] for r in by_rate[rate]] for rate in rates]
+                mean = np.array([np.mean(v) for v in values])
+                std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
+                ax.errorbar(rates, 100 * mean, yerr=100 * std, fmt=style, capsize=3, label=name)
+            # rates span orders of magnitude (0.5% .. 20%): a log axis keeps the small ones apart
+            ax.set_xscale("log")
+            ax.set_xticks(rates, [f"{100 * rate:g}%" for rate in rates])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("poison rate (log scale)")
+            ax.set_ylabel("% on the test set")
             ax.set_ylim(-2, 102)
-            ax.legend(fontsize=7)
+        _shared_legend(fig, axes[0], spare)
         fig.suptitle(f"CA and ASR vs poison rate, {dataset} (mean ± std over seeds)")
-        fig.tight_layout()
-        written += save_figure(fig, out, f"{dataset}_2_poison_rate")
+        written += save_figure(fig, out, f"{dataset}_2_poison_rate{suffix}")
     return written
 
 
-def neural_cleanse_anomaly(runs: list[Run], out: Path, residual_scale: float = 10.0) -> list[Path]:
+def neural_cleanse_anomaly(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     written = []
     for dataset, by_attack in pick_per_attack(runs, ("nc_anomaly_index", "nc_mask_l1"), "neural_cleanse").items():
-        fig, axes = _panels(len(by_attack))
+        fig, axes, spare = _panels(len(by_attack))
+        thresholds = set()
         for ax, (label, run) in zip(axes, by_attack.items()):
             index, norms = run.artifacts["nc_anomaly_index"], run.artifacts["nc_mask_l1"]
             threshold = float(run.artifacts.get("nc_anomaly_threshold", 2.0))
+            thresholds.add(threshold)
             flagged = (norms < np.median(norms)) & (index > threshold)  # as Neural Cleanse flags them
             ax.bar(np.arange(len(index)), np.minimum(index, 20), color=np.where(flagged, "tab:red", "tab:blue"))
-            ax.axhline(threshold, color="k", linestyle="--", linewidth=1, label=f"threshold {threshold:g}")
-            ax.set_title(f"{label}\n({_run_tag(run)})", fontsize=9)
-            ax.set_xlabel("class (red: flagged, small mask)")
+            ax.axhline(threshold, color="k", linestyle="--", linewidth=1)
+            ax.set_xticks(np.arange(len(index)))
+            ax.set_title(f"{label}\n{_setting(run)}", fontsize=9)
+            ax.set_xlabel("class")
             ax.set_ylabel("anomaly index (capped at 20)")
-            ax.legend(fontsize=7)
+        threshold = f" {thresholds.pop():g}" if len(thresholds) == 1 else ""
+        _shared_legend(fig, [Line2D([], [], color="k", linestyle="--", linewidth=1, label=f"threshold{threshold}"),
+                             Patch(color="tab:red", label="flagged: above the threshold, small mask"),
+                             Patch(color="tab:blue", label="not flagged")], spare)
         fig.suptitle(f"Neural Cleanse anomaly index per class, {dataset}")
-        fig.tight_layout()
-        written += save_figure(fig, out, f"{dataset}_3_neural_cleanse")
+        written += save_figure(fig, out, f"{dataset}_3_neural_cleanse{suffix}")
     return written
 
 
-def strip_histograms(runs: list[Run], out: Path, residual_scale: float = 10.0) -> list[Path]:
+def strip_histograms(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     written = []
     for dataset, by_attack in pick_per_attack(runs, ("strip_entropy_clean", "strip_entropy_poisoned"), "strip").items():
-        fig, axes = _panels(len(by_attack))
+        fig, axes, spare = _panels(len(by_attack))
+        sizes = {(len(r.artifacts["strip_entropy_clean"]), len(r.artifacts["strip_entropy_poisoned"]))
+                 for r in by_attack.values()}
+        n_clean, n_poisoned = ("", "")
+        if len(sizes) == 1:  # the same test inputs in every panel: say n once, in the legend
+            n_clean, n_poisoned = (f" (n={n})" for n in sizes.pop())
         for ax, (label, run) in zip(axes, by_attack.items()):
             clean, poisoned = run.artifacts["strip_entropy_clean"], run.artifacts["strip_entropy_poisoned"]
             bins = np.linspace(min(clean.min(), poisoned.min()), max(clean.max(), poisoned.max()) + 1e-9, 30)
-            ax.hist(clean, bins=bins, alpha=0.6, density=True, label=f"clean (n={len(clean)})")
-            ax.hist(poisoned, bins=bins, alpha=0.6, density=True, label=f"triggered (n={len(poisoned)})")
+            ax.hist(clean, bins=bins, alpha=0.6, density=True, label=f"clean test inputs{n_clean}")
+            ax.hist(poisoned, bins=bins, alpha=0.6, density=True, label=f"triggered test inputs{n_poisoned}")
             if "strip_entropy_threshold" in run.artifacts:
                 ax.axvline(float(run.artifacts["strip_entropy_threshold"]), color="k", linestyle="--", linewidth=1,
-                           label="threshold")
-            ax.set_title(f"{label}\n({_run_tag(run)})", fontsize=9)
+                           label="rejection threshold")
+            extra = "" if n_clean else f"; n = {len(clean)}, {len(poisoned)}"
+            ax.set_title(f"{label}\n{_setting(run)}{extra}", fontsize=9)
             ax.set_xlabel("mean entropy (bits)")
             ax.set_ylabel("density")
-            ax.legend(fontsize=7)
+        _shared_legend(fig, axes[0], spare)
         fig.suptitle(f"STRIP entropy, clean vs triggered test inputs, {dataset}")
-        fig.tight_layout()
-        written += save_figure(fig, out, f"{dataset}_4_strip_entropy")
+        written += save_figure(fig, out, f"{dataset}_4_strip_entropy{suffix}")
     return written
 
 
-def fine_pruning_curves(runs: list[Run], out: Path, residual_scale: float = 10.0) -> list[Path]:
+def fine_pruning_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     written = []
     for dataset, by_attack in pick_per_attack(runs, ("fp_pruned_fraction", "fp_clean_acc", "fp_asr"), "fine_pruning").items():
-        fig, axes = _panels(len(by_attack))
+        fig, axes, spare = _panels(len(by_attack))
         for ax, (label, run) in zip(axes, by_attack.items()):
             a = run.artifacts
             ax.plot(a["fp_pruned_fraction"], 100 * a["fp_clean_acc"], "o-", label="CA")
             ax.plot(a["fp_pruned_fraction"], 100 * a["fp_asr"], "s--", label="ASR")
             if "fp_chosen_fraction" in a:
                 ax.axvline(float(a["fp_chosen_fraction"]), color="k", linestyle=":", linewidth=1, label="pruned by the defense")
-            ax.set_title(f"{label}\n({_run_tag(run)})", fontsize=9)
+            ax.set_title(f"{label}\n{_setting(run)}", fontsize=9)
             ax.set_xlabel("fraction of last-stage channels pruned")
             ax.set_ylabel("% on the test set")
             ax.set_ylim(-2, 102)
-            ax.legend(fontsize=7)
+        # the panel that draws the most (the defense's line included) names them all
+        _shared_legend(fig, max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])), spare)
         fig.suptitle(f"Fine-pruning before fine-tuning, {dataset}")
-        fig.tight_layout()
-        written += save_figure(fig, out, f"{dataset}_5_fine_pruning")
+        written += save_figure(fig, out, f"{dataset}_5_fine_pruning{suffix}")
     return written
 
 
-def gradcam_heatmaps(runs: list[Run], out: Path, residual_scale: float = 10.0) -> list[Path]:
+def gradcam_heatmaps(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     needs = ("examples_clean", "examples_poisoned", "gradcam_clean", "gradcam_poisoned")
     written = []
     for dataset, by_attack in pick_per_attack(runs, needs).items():
-        shown = EXAMPLES_SHOWN
-        fig, axes = _grid(len(by_attack), 4 * shown)
-        for row, (label, run) in enumerate(by_attack.items()):
-            a = run.artifacts
-            for i in range(min(shown, len(a["examples_clean"]))):
-                for j, kind in enumerate(("clean", "poisoned")):
-                    image, kwargs = _image(a[f"examples_{kind}"][i])
-                    ax_image, ax_cam = axes[row, 4 * i + 2 * j], axes[row, 4 * i + 2 * j + 1]
-                    ax_image.imshow(image, **kwargs)
-                    ax_cam.imshow(image, **kwargs)
-                    ax_cam.imshow(a[f"gradcam_{kind}"][i], cmap="jet", alpha=0.5, vmin=0, vmax=1)
-                    if row == 0:
-                        ax_image.set_title(kind, fontsize=8)
-                        ax_cam.set_title(f"GradCAM, {kind}", fontsize=8)
-            axes[row, 0].set_ylabel(label, fontsize=8)
-        fig.suptitle(f"GradCAM on the attacked model, {dataset}")
-        written += save_figure(fig, out, f"{dataset}_6_gradcam")
+        shown, pages, figures = EXAMPLES_SHOWN, _pages(by_attack), []
+        for page, items in enumerate(pages, start=1):
+            fig, axes = _grid(len(items), 4 * shown)
+            heat = None
+            for row, (label, run) in enumerate(items):
+                a = run.artifacts
+                for i in range(min(shown, len(a["examples_clean"]))):
+                    for j, kind in enumerate(("clean", "poisoned")):
+                        image, kwargs = _image(a[f"examples_{kind}"][i])
+                        ax_image, ax_cam = axes[row, 4 * i + 2 * j], axes[row, 4 * i + 2 * j + 1]
+                        ax_image.imshow(image, **kwargs)
+                        ax_cam.imshow(image, **kwargs)
+                        heat = ax_cam.imshow(a[f"gradcam_{kind}"][i], cmap="jet", alpha=0.5, vmin=0, vmax=1)
+                        if row == 0:
+                            ax_image.set_title(kind, fontsize=9)
+                            ax_cam.set_title(f"GradCAM, {kind}", fontsize=9)
+                _row_label(axes[row, 0], label)
+            if heat is not None:
+                bar = fig.colorbar(ScalarMappable(heat.norm, heat.cmap), ax=axes.ravel().tolist(),
+                                   shrink=min(0.9, 2.5 / len(items)))
+                bar.set_label("GradCAM, scaled to [0, 1] per image (last conv stage)")
+            fig.suptitle(_page_title(f"GradCAM on the attacked model, {dataset}", page, len(pages)))
+            figures.append(fig)
+        written += save_pages(figures, out, f"{dataset}_6_gradcam{suffix}")
     return written
 
 
@@ -298,10 +421,10 @@ FIGURES = (
 )
 
 
-def write_figures(results_dir: str | Path, *, dataset: str | None = None, residual_scale: float = 10.0,
-                  report: Callable[[str], None] = print) -> dict[int, list[Path]]:
-    """Draw every figure whose data the records under `<results_dir>/runs/` hold; `report` gets one
-    line per figure skipped. Returns figure number -> files written."""
+def write_figures(results_dir: str | Path, *, dataset: str | None = None, attacks: list[str] | None = None,
+                  residual_scale: float = 10.0, report: Callable[[str], None] = print) -> dict[int, list[Path]]:
+    """Draw every figure whose data the records under `<results_dir>/runs/` hold, of the `attacks`
+    named (None: all); `report` gets one line per figure skipped. Returns figure number -> files written."""
     results_dir = Path(results_dir).expanduser()
     if not (results_dir / "runs").is_dir():
         raise ConfigError(f"results_dir={str(results_dir)!r} has no runs/ folder; run `python -m backdoorbench "
@@ -309,12 +432,21 @@ def write_figures(results_dir: str | Path, *, dataset: str | None = None, residu
     checks.number("", "residual_scale", residual_scale, 0, low_open=True, hint="e.g. 10")
     loaded = load_records_with_paths(results_dir)
     kept = {id(r) for r in filter_records([r for r, _ in loaded], dataset=dataset)}
+    if attacks is not None:
+        present = sorted({r.attack["name"] for r, _ in loaded if id(r) in kept})
+        unknown = [a for a in attacks if a not in present]
+        if unknown:
+            raise ConfigError(f"attacks={','.join(attacks)}: no record has attack {', '.join(unknown)}; "
+                              f"the records have: {', '.join(present) or 'none'}")
+        kept = {id(r) for r, _ in loaded if id(r) in kept and r.attack["name"] in attacks}
     runs = [Run(record, path) for record, path in loaded if id(record) in kept]
+    # a chosen subset gets its own file names: it never replaces the figures of every attack
+    suffix = "_" + "-".join(attacks) if attacks is not None else ""
     out = ensure_writable_dir(results_dir / "figures", "the figures folder at results_dir")
     where = "" if str(results_dir) == "results" else f" results_dir={results_dir}"
     written: dict[int, list[Path]] = {}
     for figure in FIGURES:
-        written[figure.number] = figure.draw(runs, out, residual_scale=residual_scale)
+        written[figure.number] = figure.draw(runs, out, residual_scale=residual_scale, suffix=suffix)
         if not written[figure.number]:
             report(f"skipped figure {figure.number} ({figure.title}): no run has its data; "
                    f"make it with: python -m backdoorbench {figure.produce}{where}")
@@ -323,16 +455,21 @@ def write_figures(results_dir: str | Path, *, dataset: str | None = None, residu
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(HELP)
+        return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            options = parse_args(args, {"results_dir": "results", "dataset": None, "residual_scale": "10"}, USAGE)
+            options = parse_args(args, {"results_dir": "results", "dataset": None, "attacks": None,
+                                        "residual_scale": "10"}, USAGE)
             try:
                 scale = float(options["residual_scale"])
             except ValueError:
                 raise ConfigError(f"residual_scale={options['residual_scale']!r} is not a number; use e.g. residual_scale=10") from None
             result: dict[int, list[Path]] | UserError = write_figures(
                 options["results_dir"], dataset=options["dataset"], residual_scale=scale,
+                attacks=options["attacks"].split(",") if options["attacks"] else None,
                 report=lambda line: print(line, file=sys.stderr))
         except UserError as exc:
             result = exc

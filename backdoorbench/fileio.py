@@ -28,9 +28,31 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return _atomic_write(path, lambda handle: handle.write(data))
 
 
-def _atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+def write_new_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` atomically, but only if `path` does not exist: FileExistsError
+    otherwise, and the existing file is untouched (a run's record never replaces another's)."""
+    return _atomic_write(path, lambda handle: handle.write(data), exclusive=True)
+
+
+def _publish_new(tmp: str, path: Path) -> None:
+    """Give the finished temp file the name `path` unless that name exists (FileExistsError).
+    A hard link is atomic and never replaces; where the file system has none (some network and
+    FUSE mounts), the name is claimed with O_EXCL and the whole file renamed over the claim."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
+
+
+def _atomic_write(path: str | Path, write: Callable[[BinaryIO], object], exclusive: bool = False) -> Path:
     """`write(handle)` into a temp file beside `path`, fsync, give it the usual file mode, then
-    rename it over `path`: readers see the old file or the whole new one, never a part."""
+    rename it over `path`: readers see the old file or the whole new one, never a part.
+    `exclusive`: never over an existing `path` (FileExistsError instead)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -40,7 +62,10 @@ def _atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
+        if exclusive:
+            _publish_new(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

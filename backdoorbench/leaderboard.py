@@ -5,6 +5,8 @@ defense (CA, ASR, RA, PSNR, SSIM, LPIPS), (b) defenses x attacks (CA and ASR aft
 DER, detection AUROC where the defense detects). Records that differ only in their seed (same
 `group_id`) form one row: mean ± std over seeds, with n, flagged † when n < 3. Different settings
 of the same attack are different rows, labelled by what differs between them (e.g. `epochs=1`).
+One row per attack x mode (x defense) is *canonical*, the benchmark's protocol setting; the others
+are sweeps and earlier settings (see `mark_canonical`).
 Writes Markdown, CSV and a self-contained sortable HTML page to `<results_dir>/leaderboard/`.
 A record that can't be read is skipped with one warning naming the file; it never stops the table.
 """
@@ -17,6 +19,7 @@ import io
 import json
 import statistics
 import sys
+import urllib.parse
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,13 +30,19 @@ from typing import Any
 from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.fileio import atomic_write_text, ensure_writable_dir
-from backdoorbench.records import RecordError, RunRecord, load_record
+from backdoorbench.records import RecordError, RunRecord, latest_repeats, load_record
 
 TARGET_MODES = ("all2one", "all2all")
 FILTERS = ("dataset", "model", "target_mode")
 FEW_SEEDS = 3  # rows with fewer seeds than this are flagged
 FLAG = "†"
 USAGE = "usage: python -m backdoorbench.leaderboard [results_dir=DIR] [dataset=NAME] [model=NAME] [target_mode=all2one|all2all]"
+HELP = f"""{USAGE}
+
+Builds the leaderboard from the run records under <results_dir>/runs: one row per setting (the
+mean and spread over its seeds) in <results_dir>/leaderboard/leaderboard.md, leaderboard.html,
+attacks.csv and defenses.csv. dataset=, model= and target_mode= keep only the matching records.
+results_dir defaults to results (the committed tables)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,45 @@ class Cell:
     n: int
 
 
+@dataclass(frozen=True)
+class NotApplicable:
+    """A defense cell whose defense's threat model excludes the attack (the record says
+    `applicable: false`): shown as n/a, never as a value. Falsy, so it sorts and exports like a
+    missing value where a renderer only asks whether there is a number."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NOT_APPLICABLE = "n/a"
+
+
+def exclusion(record: RunRecord) -> str | None:
+    """Why the record's defense never met its attack, or None. A record says so itself
+    (`applicable: false`, since the pipeline asks the defense); a record made before it asked
+    is judged the same way from the classes its config names, so an old run of, e.g., ABL
+    against WaNet is shown n/a too, not as the success its numbers seem to say."""
+    if record.defense.get("applicable") is False:
+        return str(record.defense.get("not_applicable", ""))
+    if "applicable" in record.defense or record.defense.get("name") in (None, "none"):
+        return None
+    from hydra.utils import get_class
+
+    from backdoorbench.attacks.base import TrainingAttack
+    try:
+        defense_cls = get_class(record.config["defense"]["_target_"])
+        attack_cls = get_class(record.config["attack"]["_target_"])
+    except Exception:  # a record of a class that no longer exists: nothing to judge it by
+        return None
+    if issubclass(attack_cls, TrainingAttack) and not getattr(defense_cls, "meets_training_controlled_attacks", True):
+        return (f"{record.attack['name']} poisons inside its own training step; {record.defense['name']} works on the "
+                "stored training split only, so it never meets the attack (judged from the record's config: the "
+                "record predates the check)")
+    return None
+
+
 @dataclass
 class Row:
     table: str  # "attacks" or "defenses"
@@ -108,6 +156,11 @@ class Row:
     config: dict[str, Any]
     cells: dict[str, Cell | None] = field(default_factory=dict)
     label: str = ""  # what differs from the other rows of the same attack (and defense)
+    run_ids: list[str] = field(default_factory=list)
+    record_paths: list[str] = field(default_factory=list)  # relative to results_dir, as written
+    command: str = ""  # the command that reruns every seed of the row
+    created_at: str = ""  # the newest record's
+    canonical: bool = False
 
     @property
     def n(self) -> int:
@@ -122,14 +175,15 @@ class Row:
 
 
 def load_records_with_paths(results_dir: Path) -> list[tuple[RunRecord, Path]]:
-    """Every readable record under `<results_dir>/runs/` with its path; one warning per file that is not."""
+    """Every readable record under `<results_dir>/runs/` with its path; one warning per file that is
+    not. A config run more than once (`<run_id>.<n>.json`) counts once: its latest repeat."""
     records = []
     for path in sorted((Path(results_dir) / "runs").rglob("*.json")):
         try:
             records.append((load_record(path), path))
         except RecordError as exc:
             warnings.warn(f"skipping record {exc}", stacklevel=2)
-    return records
+    return latest_repeats(records)
 
 
 def load_records(results_dir: Path) -> list[RunRecord]:
@@ -213,21 +267,41 @@ def _mode(attack: dict[str, Any]) -> str:
     return attack["target_mode"] + (f"({target})" if target is not None and attack["target_mode"] == "all2one" else "")
 
 
-def build_rows(records: list[RunRecord]) -> list[Row]:
-    """One row per group of records that differ only in seed, in the attacks or the defenses table."""
-    groups: dict[str, list[RunRecord]] = defaultdict(list)
-    for record in records:
-        groups[record.group_id].append(record)
+def rerun_command(records: list[RunRecord]) -> str:
+    """The command that reruns every seed of one row: the first record's overrides, without the
+    ones that don't change a result (results_dir, progress, ...), with the row's seeds."""
+    dropped = set(NON_RESULT_KEYS) | {"seed"}
+    kept = []
+    for override in records[0].overrides or []:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in dropped and not any(key.startswith(d + ".") for d in dropped):
+            kept.append(override)
+    seeds = sorted({r.seed for r in records})
+    sweep = ["--multirun"] if len(seeds) > 1 else []
+    return " ".join(["python -m backdoorbench", *sweep, *kept, "seed=" + ",".join(map(str, seeds))])
+
+
+def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list[Row]:
+    """One row per group of records that differ only in seed, in the attacks or the defenses table;
+    `paths` (one per record, relative to results_dir) become the rows' links to their records."""
+    groups: dict[str, list[tuple[RunRecord, str]]] = defaultdict(list)
+    for record, path in zip(records, paths if paths is not None else [""] * len(records)):
+        groups[record.group_id].append((record, path))
     rows = []
-    for group_id, members in groups.items():
-        members.sort(key=lambda r: r.seed)
+    for group_id, pairs in groups.items():
+        pairs.sort(key=lambda p: (p[0].seed, p[0].run_id))
+        members = [r for r, _ in pairs]
         first = members[0]
         table = "attacks" if first.defense["name"] == "none" else "defenses"
         columns = ATTACK_COLUMNS if table == "attacks" else DEFENSE_COLUMNS
         row = Row(table=table, dataset=first.dataset["name"], model=first.model["name"], attack=first.attack["name"],
                   target_mode=_mode(first.attack), defense=first.defense["name"], group_id=group_id,
-                  seeds=[r.seed for r in members], config=first.config)
-        row.cells = {c.key: summarize([c.read(r) for r in members]) for c in columns}
+                  seeds=[r.seed for r in members], config=first.config, run_ids=[r.run_id for r in members],
+                  record_paths=[p for _, p in pairs], command=rerun_command(members),
+                  created_at=max(r.created_at for r in members))
+        excluded = exclusion(first)  # the same config: every seed agrees
+        row.cells = {c.key: NotApplicable(excluded) if excluded is not None
+                     else summarize([c.read(r) for r in members]) for c in columns}
         rows.append(row)
     peers: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
@@ -235,7 +309,11 @@ def build_rows(records: list[RunRecord]) -> list[Row]:
     for members in peers.values():
         for row, label in zip(members, setting_labels([m.config for m in members])):
             row.label = label
+            budget = (row.config.get("defense") or {}).get("budget")
+            if budget not in (None, "official") and "budget=" not in label:  # a cut budget is always named
+                row.label = ", ".join(filter(None, [label, f"budget={budget}"]))
     clean_controls(rows)
+    mark_canonical(rows)
     rows.sort(key=lambda r: (r.dataset, r.table, r.defense, r.model, r.attack, r.target_mode, r.label, r.group_id))
     return rows
 
@@ -270,10 +348,34 @@ def clean_controls(rows: list[Row]) -> None:
         row.cells["ca_vs_clean"] = Cell(ca.mean - mean, (ca.std**2 + std**2) ** 0.5, ca.n)
 
 
-def cell_text(cell: Cell | None, column: Column, row_n: int) -> str:
+def mark_canonical(rows: list[Row]) -> None:
+    """Set `canonical` on one row per (table, dataset, model, attack, mode, defense): among its
+    settings, the one with the most seeds, the newest of those on a tie (a protocol rerun at more
+    seeds or a later setting supersedes); the other settings are sweeps and earlier protocols.
+    A clean control (`attack=none` without a defense) is canonical when a canonical attack row is
+    compared with it (same dataset, model and trainer), so there can be one per training budget."""
+    peers: dict[tuple, list[Row]] = defaultdict(list)
+    for row in rows:
+        row.canonical = False
+        if not (row.table == "attacks" and row.attack == CLEAN_ATTACK):
+            peers[(row.table, row.dataset, row.model, row.attack, row.target_mode, row.defense)].append(row)
+    for members in peers.values():
+        max(members, key=lambda r: (r.n, r.created_at, r.group_id)).canonical = True
+    compared = {_training_key(r) for r in rows if r.canonical and r.table == "attacks"}
+    for row in rows:
+        if row.table == "attacks" and row.attack == CLEAN_ATTACK:
+            row.canonical = _training_key(row) in compared
+
+
+def cell_text(cell: Cell | NotApplicable | None, column: Column, row_n: int) -> str:
+    """`mean ± std` with the column's digits; no ± for one value, or where the seeds agree to the
+    digits shown (a `± 0.00` says nothing the n column does not)."""
+    if isinstance(cell, NotApplicable):
+        return NOT_APPLICABLE
     if cell is None:
         return "–"
-    text = column.fmt(cell.mean) if cell.n == 1 else f"{column.fmt(cell.mean)} ± {column.fmt(cell.std).lstrip('+')}"
+    spread = column.fmt(cell.std).lstrip("+")
+    text = column.fmt(cell.mean) if cell.n == 1 or float(spread) == 0 else f"{column.fmt(cell.mean)} ± {spread}"
     if cell.n != row_n:
         text += f" (n={cell.n})"
     return text + (f" {FLAG}" if cell.n < FEW_SEEDS else "")
@@ -290,9 +392,75 @@ def _key_values(row: Row) -> list[str]:
 
 
 TABLES = (("attacks", "Attacks (no defense)", ATTACK_COLUMNS), ("defenses", "Defenses", DEFENSE_COLUMNS))
+UNITS = ("CA, ASR, RA in %; ΔCA vs clean in points; PSNR in dB; SSIM, LPIPS, DER and AUROC in [0, 1]; "
+         "'after' = after the defense.")
+GLOSSARY = (
+    ("CA", "clean accuracy: % of the clean test set classified correctly."),
+    ("ASR", "attack success rate: % of the triggered test images whose label differs from the target that are "
+            "classified as the target."),
+    ("RA", "robust accuracy: % of those triggered images still classified as their true label."),
+    ("after", "measured on the model the defense returns (CA after, ASR after)."),
+    ("DER", "defense effectiveness rate, in [0, 1]: [max(0, ΔASR) − max(0, ΔCA) + 1] / 2 with Δ = before − after; "
+            "0.5 = nothing changed, 1 = backdoor removed at no cost in CA."),
+    ("AUROC", "in [0, 1]: how well the defense's scores separate poisoned from clean (training samples for the data "
+              "detectors, test inputs for STRIP); 0.5 = chance; – for a defense that does not detect."),
+    ("ΔCA vs clean", "in percentage points: the row's CA minus that of the clean control (attack none) trained the "
+                     "same way (dataset, model, trainer); – where no such control was run."),
+    ("PSNR", "peak signal-to-noise ratio of triggered vs clean test images, in dB (higher: less visible)."),
+    ("SSIM", "structural similarity of triggered vs clean test images, in [0, 1] (1: identical)."),
+    ("LPIPS", "learned perceptual distance (AlexNet) of triggered vs clean images (0: identical); – where its "
+              "weights were absent offline."),
+    ("model", "the victim's architecture."),
+    ("attack", "the attack's name (none: the clean control); defense: the defense's."),
+    ("mode", "the target rule: all2one(t) sends every triggered image to class t, all2all sends class y to y + 1 mod C."),
+    ("training", "the victim's training budget: epochs, and 'no aug' when trained without crop/flip augmentation."),
+    ("setting", "the config values in which the row differs from the other rows of the same attack (and defense); "
+                "– where it is the only one."),
+    ("n", "the number of seeds (one run each) in the row."),
+    ("config", "the first 8 hex digits of the row's group_id (the hash of its resolved config without the seed); "
+               "under it: the row's seeds, its records and the command that reruns them."),
+    ("±", "mean ± sample standard deviation over the seeds; no ± for one seed or where the seeds agree to the "
+          "digits shown; (n=k) where only k of the row's runs have the value."),
+    (FLAG, f"fewer than {FEW_SEEDS} seeds: read the spread with care."),
+    ("canonical", "one row per attack x mode (x defense), the benchmark's protocol setting: of the rows of one "
+                  "attack and mode, the one with the most seeds, the newest on a tie. The others are sweeps and "
+                  "earlier settings. A clean control is canonical when a canonical row is compared with it. "
+                  "On the page, a blue bar marks the canonical rows."),
+)
+HIDEABLE = ("model", "mode", "training", "setting", "n")  # shown above a table when the same in all its rows
 FOOTNOTE = (f"{FLAG} fewer than {FEW_SEEDS} seeds (n < {FEW_SEEDS}): read the spread with care. "
-            "Mean ± sample std over seeds; (n=k) where only k of the row's runs have the value; "
-            "– where none has it (e.g. LPIPS without its weights, AUROC of a defense that does not detect).")
+            "Mean ± sample std over seeds, no ± where the seeds agree to the digits shown; (n=k) where only k of "
+            "the row's runs have the value; – where none has it (e.g. AUROC of a defense that does not detect); "
+            "n/a where the defense's threat model excludes the attack (its records say why).")
+
+
+@dataclass
+class Layout:
+    """What one table shows: its columns, less those that carry nothing."""
+
+    keys: list[str]
+    columns: list[Column]
+    constant: dict[str, str]  # a key column with one value in every row: hidden, stated once
+    empty: list[str]  # headers of the numeric columns no row has a value for: hidden
+
+
+def layout(rows: list[Row], table: str) -> Layout:
+    all_keys = _key_columns(table)
+    values = [dict(zip(all_keys, _key_values(r))) for r in rows]
+    constant = {k: values[0][k] for k in HIDEABLE if len(rows) > 1 and len({v[k] for v in values}) == 1}
+    columns = dict((t, c) for t, _, c in TABLES)[table]
+    empty = [c.header for c in columns if all(r.cells.get(c.key) is None for r in rows)]
+    return Layout(keys=[k for k in all_keys if k not in constant], columns=[c for c in columns if c.header not in empty],
+                  constant=constant, empty=empty)
+
+
+def _layout_note(shape: Layout) -> str:
+    parts = []
+    if shape.constant:
+        parts.append("In every row: " + ", ".join(f"{k} {v}" for k, v in shape.constant.items()) + ".")
+    if shape.empty:
+        parts.append(f"Not shown, no row has a value: {', '.join(shape.empty)}.")
+    return " ".join(parts)
 
 
 def _by_dataset(rows: list[Row]) -> dict[str, list[Row]]:
@@ -307,28 +475,44 @@ def _describe_filters(filters: dict[str, str | None]) -> str:
     return f" Filters: {', '.join(given)}." if given else ""
 
 
+def _cells(row: Row, shape: Layout) -> list[str]:
+    keys = dict(zip(_key_columns(row.table), _key_values(row)))
+    return ([keys[k] for k in shape.keys] + [cell_text(row.cells[c.key], c, row.n) for c in shape.columns]
+            + [f"`{row.group_id[:8]}`"])
+
+
 def to_markdown(rows: list[Row], filters: dict[str, str | None] | None = None) -> str:
     lines = [
         "# backdoorbench leaderboard",
         "",
         "Generated by `python -m backdoorbench.leaderboard` from the records under `runs/`; do not edit."
         + _describe_filters(filters or {}),
-        "CA, ASR, RA in %; ΔCA vs clean in points: CA minus that of the clean control (`attack=none`) trained "
-        "the same way; 'after' = after the defense; DER and AUROC in [0, 1]; "
-        "`setting` names what differs from the other rows of the same attack.",
+        UNITS + " Each table lists its canonical rows (one per attack x mode at the protocol's setting) apart "
+        "from the other settings (sweeps, earlier protocols); the terms are defined at the end.",
     ]
     for dataset, members in _by_dataset(rows).items():
         lines += ["", f"## {dataset}"]
-        for table, title, columns in TABLES:
+        for table, title, _ in TABLES:
             chosen = [r for r in members if r.table == table]
             if not chosen:
                 continue
-            header = _key_columns(table) + [c.header for c in columns] + ["config"]
-            lines += ["", f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-            for row in chosen:
-                cells = _key_values(row) + [cell_text(row.cells[c.key], c, row.n) for c in columns] + [f"`{row.group_id[:8]}`"]
-                lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
-    lines += ["", FOOTNOTE, ""]
+            shape = layout(chosen, table)
+            header = shape.keys + [c.header for c in shape.columns] + ["config"]
+            lines += ["", f"### {title}"]
+            if _layout_note(shape):
+                lines += ["", _layout_note(shape)]
+            for canonical, part in ((True, "Canonical"), (False, "Other settings: sweeps and earlier protocols")):
+                part_rows = [r for r in chosen if r.canonical == canonical]
+                if not part_rows:
+                    continue
+                count = f"{len(part_rows)} row" + ("s" if len(part_rows) != 1 else "")
+                lines += ["", f"#### {part} ({count})", "",
+                          "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+                for row in part_rows:
+                    lines.append("| " + " | ".join(c.replace("|", "\\|") for c in _cells(row, shape)) + " |")
+    lines += ["", FOOTNOTE, "", "## Terms", ""]
+    lines += [f"- **{term}**: {text}" for term, text in GLOSSARY]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -337,83 +521,156 @@ def to_csv(rows: list[Row], table: str) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     keys = ["dataset"] + (["defense"] if table == "defenses" else []) + ["model", "attack", "target_mode", "training",
-                                                                        "setting", "n", "seeds", "group_id"]
+                                                                        "setting", "n", "seeds", "group_id",
+                                                                        "canonical"]
     writer.writerow(keys + [f"{c.key}_{part}" for c in columns for part in ("mean", "std", "n")])
     for row in (r for r in rows if r.table == table):
         values = {"dataset": row.dataset, "defense": row.defense, "model": row.model, "attack": row.attack,
                   "target_mode": row.target_mode, "training": row.training, "setting": row.label, "n": row.n,
-                  "seeds": " ".join(map(str, row.seeds)), "group_id": row.group_id}
+                  "seeds": " ".join(map(str, row.seeds)), "group_id": row.group_id,
+                  "canonical": str(row.canonical).lower()}
         out = [values[k] for k in keys]
         for c in columns:
             cell = row.cells[c.key]
-            out += [repr(cell.mean), repr(cell.std), cell.n] if cell else ["", "", 0]
+            if isinstance(cell, NotApplicable):
+                out += [NOT_APPLICABLE, "", 0]
+            else:
+                out += [repr(cell.mean), repr(cell.std), cell.n] if cell else ["", "", 0]
         writer.writerow(out)
     return buffer.getvalue()
 
 
-# Sorting reads each cell's data-sort (a number, or text); no library, no server, no network.
+# Each table sorts on its own header cells; a cell's data-sort is its key (the unrounded mean, or
+# text), the header's data-type says how to compare; missing values go last either way. The radio
+# buttons show the canonical rows, the other settings, or all. No library, no server, no network.
 SORT_SCRIPT = """
-document.querySelectorAll("table.sortable th").forEach(function (th, column) {
-  th.addEventListener("click", function () {
-    var table = th.closest("table"), body = table.tBodies[0];
+(function () {
+  function compare(x, y, numeric) {
+    return numeric ? Number(x) - Number(y) : x.localeCompare(y, undefined, {numeric: true});
+  }
+  function sortTable(table, column, th) {
+    var numeric = th.getAttribute("data-type") === "number";
     var ascending = th.getAttribute("aria-sort") !== "ascending";
-    table.querySelectorAll("th").forEach(function (h) { h.removeAttribute("aria-sort"); });
+    Array.prototype.forEach.call(table.tHead.rows[0].cells, function (h) { h.removeAttribute("aria-sort"); });
     th.setAttribute("aria-sort", ascending ? "ascending" : "descending");
-    var rows = Array.prototype.slice.call(body.rows);
-    rows.sort(function (a, b) {
-      var x = a.cells[column].getAttribute("data-sort"), y = b.cells[column].getAttribute("data-sort");
-      var nx = parseFloat(x), ny = parseFloat(y), order;
-      if (x === "" && y === "") order = 0;
-      else if (x === "") return 1;   /* missing values last, either way */
-      else if (y === "") return -1;
-      else if (!isNaN(nx) && !isNaN(ny)) order = nx - ny;
-      else order = x.localeCompare(y);
-      return ascending ? order : -order;
+    var body = table.tBodies[0];
+    var rows = Array.prototype.map.call(body.rows, function (row, i) {
+      return {row: row, key: row.cells[column].getAttribute("data-sort"), i: i};
     });
-    rows.forEach(function (r) { body.appendChild(r); });
+    rows.sort(function (a, b) {
+      if (a.key === "" || b.key === "") return (a.key === "") - (b.key === "") || a.i - b.i;
+      return (ascending ? 1 : -1) * compare(a.key, b.key, numeric) || a.i - b.i;
+    });
+    rows.forEach(function (r) { body.appendChild(r.row); });
+  }
+  document.querySelectorAll("table.sortable").forEach(function (table) {
+    Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th, column) {
+      th.addEventListener("click", function () { sortTable(table, column, th); });
+      th.addEventListener("keydown", function (event) {
+        if (event.key === "Enter" || event.key === " ") { event.preventDefault(); sortTable(table, column, th); }
+      });
+    });
   });
-});
+  function show(view) { document.body.className = "view-" + view; }
+  document.querySelectorAll("input[name=view]").forEach(function (input) {
+    input.addEventListener("change", function () { show(input.value); });
+    if (input.checked) show(input.value);
+  });
+})();
 """
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; margin-bottom: 1.5em; font-size: 14px; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: right; white-space: nowrap; }
-th { background: #f2f2f2; cursor: pointer; user-select: none; }
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 100%; }
+.scroll { overflow: auto; max-height: 80vh; max-width: 100%; margin-bottom: 0.5em; border: 1px solid #ccc; }
+table { border-collapse: separate; border-spacing: 0; font-size: 14px; }
+th, td { border-right: 1px solid #ddd; border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: right;
+         white-space: nowrap; vertical-align: top; background: #fff; }
+th { background: #f2f2f2; cursor: pointer; user-select: none; position: sticky; top: 0; z-index: 2; }
+th:first-child, td:first-child { position: sticky; left: 0; z-index: 1; }
+th:first-child { z-index: 3; }
 th[aria-sort=ascending]::after { content: " ▲"; } th[aria-sort=descending]::after { content: " ▼"; }
-td.text { text-align: left; } code { font-size: 12px; }
+td.text, th.text { text-align: left; } code { font-size: 12px; }
+td.setting { white-space: normal; min-width: 10em; max-width: 16em; }
+body.view-canonical tr.other, body.view-other tr.canonical { display: none; }
+tr.canonical td:first-child { box-shadow: inset 3px 0 0 #2a7ab0; }
+details.runs summary { cursor: pointer; }
+details.runs div { white-space: normal; min-width: 24em; max-width: 36em; text-align: left; font-size: 12px; padding-top: 4px; }
+.note { color: #555; font-size: 13px; margin: 0.3em 0; }
+dl.terms { display: grid; grid-template-columns: max-content 1fr; gap: 2px 12px; font-size: 13px; max-width: 70em; }
+dl.terms dt { font-weight: 600; } dl.terms dd { margin: 0; }
 """
 
 
-def to_html(rows: list[Row], filters: dict[str, str | None] | None = None) -> str:
+def _term(header: str) -> str:
+    return "ΔCA vs clean" if header.startswith("ΔCA") else header.split()[0]
+
+
+def _runs_cell(row: Row) -> str:
     esc = html.escape
+    links = []
+    for run_id, path in zip(row.run_ids, row.record_paths or [""] * len(row.run_ids)):
+        label = f"<code>{esc(run_id[:8])}</code>"
+        links.append(f'<a href="../{esc(urllib.parse.quote(path))}">{label}</a>' if path else label)
+    return (f'<details class="runs"><summary><code>{esc(row.group_id[:8])}</code></summary><div>'
+            f"seeds {esc(', '.join(map(str, row.seeds)))}; records {', '.join(links)}<br>"
+            f"<code>{esc(row.command)}</code></div></details>")
+
+
+def to_html(rows: list[Row], filters: dict[str, str | None] | None = None, notes: str | None = None) -> str:
+    """The page; `notes`, a link relative to the leaderboard folder, names where the commands are told."""
+    esc = html.escape
+    definitions = dict(GLOSSARY)
+    canonical = sum(r.canonical for r in rows)
+    where = f' The commands that made them: the results folder\'s <a href="{esc(notes)}">README.md</a>.' if notes else ""
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', "<title>backdoorbench leaderboard</title>",
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">', "<title>backdoorbench leaderboard</title>",
         f"<style>{STYLE}</style></head><body>", "<h1>backdoorbench leaderboard</h1>",
         "<p>Generated by <code>python -m backdoorbench.leaderboard</code> from the records under <code>runs/</code>; "
-        f"do not edit.{esc(_describe_filters(filters or {}))} Click a column header to sort.</p>",
+        f"do not edit.{esc(_describe_filters(filters or {}))}{where} Click a column header to sort; click a row's "
+        "config for its seeds, records and command.</p>",
+        f"<p>{esc(UNITS)}</p>",
+        '<details><summary>What the columns mean</summary><dl class="terms">',
+        *(f"<dt>{esc(term)}</dt><dd>{esc(text)}</dd>" for term, text in GLOSSARY),
+        "</dl></details>",
+        '<p class="view">Rows: <label><input type="radio" name="view" value="canonical" checked> canonical '
+        f'({canonical}: one per attack x mode at the protocol\'s setting)</label> <label><input type="radio" '
+        f'name="view" value="other"> other settings ({len(rows) - canonical}: sweeps, earlier protocols)</label> '
+        '<label><input type="radio" name="view" value="all"> all</label></p>',
     ]
     for dataset, members in _by_dataset(rows).items():
         parts.append(f"<h2>{esc(dataset)}</h2>")
-        for table, title, columns in TABLES:
+        for table, title, _ in TABLES:
             chosen = [r for r in members if r.table == table]
             if not chosen:
                 continue
-            header = _key_columns(table) + [c.header for c in columns] + ["config"]
-            parts += [f"<h3>{esc(title)}</h3>", '<table class="sortable"><thead><tr>']
-            parts += [f"<th>{esc(h)}</th>" for h in header]
+            shape = layout(chosen, table)
+            n_canonical = sum(r.canonical for r in chosen)
+            note = f"Canonical rows: {n_canonical}, others: {len(chosen) - n_canonical}. " + _layout_note(shape)
+            parts += [f"<h3>{esc(title)}</h3>", f'<p class="note">{esc(note)}</p>',
+                      f'<div class="scroll"><table class="sortable" data-table="{table}"><thead><tr>']
+            for key in shape.keys:
+                kind = "number" if key == "n" else "text"
+                parts.append(f'<th class="text" data-type="{kind}" tabindex="0" '
+                             f'title="{esc(definitions.get(key, definitions["attack"]))}">{esc(key)}</th>')
+            for c in shape.columns:
+                parts.append(f'<th data-type="number" tabindex="0" title="{esc(definitions[_term(c.header)])}">'
+                             f"{esc(c.header)}</th>")
+            parts.append(f'<th class="text" data-type="text" tabindex="0" title="{esc(definitions["config"])}">config</th>')
             parts.append("</tr></thead><tbody>")
             for row in chosen:
-                parts.append("<tr>")
-                for key, value in zip(_key_columns(table), _key_values(row)):
-                    sort = value if key != "n" else str(row.n)
-                    parts.append(f'<td class="text" data-sort="{esc(sort)}">{esc(value)}</td>')
-                for c in columns:
+                parts.append(f'<tr class="{"canonical" if row.canonical else "other"}">')
+                keys = dict(zip(_key_columns(table), _key_values(row)))
+                for key in shape.keys:
+                    sort = str(row.n) if key == "n" else ("" if keys[key] == "–" else keys[key])
+                    kind = "text setting" if key == "setting" else "text"
+                    parts.append(f'<td class="{kind}" data-sort="{esc(sort)}">{esc(keys[key])}</td>')
+                for c in shape.columns:
                     cell = row.cells[c.key]
                     sort = repr(cell.mean) if cell else ""
                     parts.append(f'<td data-sort="{sort}">{esc(cell_text(cell, c, row.n))}</td>')
-                parts.append(f'<td class="text" data-sort="{esc(row.group_id)}"><code>{esc(row.group_id[:8])}</code></td>')
+                parts.append(f'<td class="text" data-sort="{esc(row.group_id)}">{_runs_cell(row)}</td>')
                 parts.append("</tr>")
-            parts.append("</tbody></table>")
+            parts.append("</tbody></table></div>")
     if not rows:
         parts.append("<p>No records.</p>")
     parts += [f"<p>{esc(FOOTNOTE)}</p>", f"<script>{SORT_SCRIPT}</script>", "</body></html>", ""]
@@ -438,12 +695,16 @@ def write_leaderboard(results_dir: str | Path, *, dataset: str | None = None, mo
         raise ConfigError(f"results_dir={str(results_dir)!r} has no runs/ folder; run `python -m backdoorbench "
                           f"results_dir={results_dir}` first, or pass the results_dir that holds the records")
     filters = {"dataset": dataset, "model": model, "target_mode": target_mode}
-    records = filter_records(load_records(results_dir), **filters)
+    loaded = load_records_with_paths(results_dir)
+    records = filter_records([r for r, _ in loaded], **filters)
     if not records:
         raise ConfigError(f"no readable record under {results_dir / 'runs'}; run `python -m backdoorbench` first")
-    rows = build_rows(records)
+    where = {id(r): p.relative_to(results_dir).as_posix() for r, p in loaded}
+    rows = build_rows(records, [where[id(r)] for r in records])
     out = ensure_writable_dir(results_dir / "leaderboard", "the leaderboard folder at results_dir")
-    texts = {"leaderboard.md": to_markdown(rows, filters), "leaderboard.html": to_html(rows, filters),
+    # results/README.md tells the commands of the committed rows; another results_dir may have its own
+    notes = "../README.md" if (results_dir / "README.md").is_file() else None
+    texts = {"leaderboard.md": to_markdown(rows, filters), "leaderboard.html": to_html(rows, filters, notes),
              "attacks.csv": to_csv(rows, "attacks"), "defenses.csv": to_csv(rows, "defenses")}
     paths = {name: atomic_write_text(out / name, text) for name, text in texts.items()}
     return LeaderboardFiles(markdown=paths["leaderboard.md"], html=paths["leaderboard.html"],
@@ -466,6 +727,9 @@ def parse_args(args: list[str], options: dict[str, str | None], usage: str) -> d
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(HELP)
+        return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from torch import Tensor
 from backdoorbench.errors import ConfigError
 from backdoorbench.fileio import atomic_write_text
 
+log = logging.getLogger(__name__)
 
 class RunLogger(Protocol):
     def start(self, *, run_id: str, group_id: str | None, config: dict[str, Any], results_dir: Path) -> None: ...
@@ -74,13 +76,33 @@ def image_grid(images: Tensor, nrow: int = 8) -> Any:
     return (grid * 255).round().byte().permute(1, 2, 0).numpy()
 
 
+def summary_numbers(record: dict[str, Any]) -> dict[str, float]:
+    """The record's headline numbers under flat keys, the columns of wandb's run table: the test
+    CA/ASR/RA of the attacked and the defended model, DER, detection rates, and the defense's own
+    scalar results (e.g. neural_cleanse's anomaly index)."""
+    def numbers(prefix: str, values: dict[str, Any] | None) -> dict[str, float]:
+        return {f"{prefix}{key}": value for key, value in (values or {}).items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+    metrics = record.get("metrics") or {}
+    out = numbers("test/", metrics.get("attacked"))
+    out.update(numbers("test/defended_", metrics.get("defended")))
+    if isinstance(metrics.get("der"), (int, float)):
+        out["test/der"] = metrics["der"]
+    out.update(numbers("detection/", metrics.get("detection")))
+    out.update(numbers("defense/", (record.get("defense") or {}).get("extras")))
+    return out
+
+
 class WandbLogger:
     """Weights & Biases: the resolved config, per-epoch metrics, trigger image grids, and the final
-    record as the run summary.
+    record as the run summary (with its headline numbers also under flat keys, see summary_numbers);
+    the per-epoch CSV beside the record is written as with logger=csv.
 
     Offline unless a mode is chosen (`logger.mode=online`, or WANDB_MODE in the environment), so a
-    run never needs the network; upload later with `wandb sync <dir>/wandb/offline-run-*`.
-    Files go under `dir` (default `<results_dir>/wandb`). Runs that differ only in seed share a group.
+    run never needs the network. Files go to `<dir>/wandb/offline-run-*` (`dir` defaults to
+    results_dir, so `<results_dir>/wandb/offline-run-*`); upload later with `wandb sync <that folder>`.
+    Runs that differ only in seed share a group.
     """
 
     def __init__(self, project: str = "backdoorbench", entity: str | None = None, mode: str | None = None,
@@ -89,6 +111,7 @@ class WandbLogger:
         self.mode = self._resolve_mode(mode)
         self.run: Any = None
         self._stages: set[str] = set()
+        self.csv = CsvLogger()
 
     @staticmethod
     def _resolve_mode(mode: str | None) -> str:
@@ -105,7 +128,9 @@ class WandbLogger:
             import wandb
         except ImportError as exc:
             raise ConfigError("logger=wandb needs the wandb package; pip install wandb, or use logger=csv") from exc
-        folder = Path(self.dir if self.dir is not None else Path(results_dir or ".") / "wandb").expanduser()
+        # wandb writes into <dir>/wandb/ itself; the default dir is results_dir, so runs land in
+        # <results_dir>/wandb/offline-run-*, not <results_dir>/wandb/wandb/.
+        folder = Path(self.dir if self.dir is not None else results_dir or ".").expanduser()
         folder.mkdir(parents=True, exist_ok=True)
         try:
             self.run = wandb.init(
@@ -124,6 +149,7 @@ class WandbLogger:
 
     def log_epoch(self, row: dict[str, Any]) -> None:
         run = self._require_run()
+        self.csv.log_epoch(row)
         stage = str(row.get("stage", "train"))
         if stage not in self._stages:
             # Plot each training stage (victim, fine-tune, ...) against its own epoch counter.
@@ -140,12 +166,16 @@ class WandbLogger:
 
     def log_summary(self, record: dict[str, Any]) -> None:
         # The config is already the run's config; the rest (metrics, stealth, timings, ...) is the summary.
-        self._require_run().summary.update({key: value for key, value in record.items() if key != "config"})
+        summary = {key: value for key, value in record.items() if key != "config"}
+        self._require_run().summary.update({**summary, **summary_numbers(record)})
 
     def finish(self, record_path: Path) -> Path | None:
         run = self._require_run()
+        self.csv.finish(record_path)
         run.summary["record_path"] = str(record_path)
         folder = Path(run.dir).parent  # <dir>/wandb/<offline-run-...>/files -> the run's folder
         run.finish()
         self.run = None
+        if self.mode == "offline":
+            log.info("wandb: offline run in %s; upload it with: wandb sync %s", folder, folder)
         return folder

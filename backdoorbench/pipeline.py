@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,15 +30,16 @@ from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
 from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
+from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
 from backdoorbench.defenses.runner import run_defense
-from backdoorbench.errors import ConfigError, UserError
-from backdoorbench.fileio import ensure_writable_dir
+from backdoorbench.errors import ConfigError, DataError, UserError
+from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
 from backdoorbench.metrics.robustness import pgd_accuracy
 from backdoorbench.metrics.stealth import stealth_metrics
 from backdoorbench.models.base import Normalized
-from backdoorbench.records import RunRecord, save_record
+from backdoorbench.records import RunRecord, next_repeat, repeat_path, save_record
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +66,69 @@ def config_hash(config: dict[str, Any], drop: tuple[str, ...]) -> str:
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Checks that need no data: run before Hydra writes anything, and again at the start of a run."""
+    """Every check that needs no data: run by the command line before Hydra writes anything, and
+    again at the start of a run, before any data loads or any model trains. Beyond the ranges
+    here, the attack, defense, trainer and model are built once as a dry run against what the
+    dataset's config says about its data (classes, image shape, class counts: datasets/spec.py),
+    so their own checks (names, ranges, files, timm model names, attack x dataset) refuse now."""
     checks.integer("", "seed", cfg.seed, 0)
     checks.integer("trainer", "epochs", cfg.trainer.epochs, 0)
     if cfg.attack.get("poison_rate") is not None:  # absent: the attack has no poison rate
         checks.number("attack", "poison_rate", cfg.attack.poison_rate, 0, 1, low_open=True)
     target = cfg.attack.get("target")
-    # The number of classes comes with the dataset, later; the attack checks the upper bound then.
+    # The dry build below checks the upper bound, where the dataset's number of classes is known.
     if target is not None and (not checks.is_integer(target) or target < 0):
         raise ConfigError(f"attack.target={target!r} is out of range; use an integer class index >= 0")
     checks.integer("eval", "stealth_images", cfg.eval.stealth_images, 0, hint="0 = skip")
-    ensure_writable_dir(cfg.results_dir)
+    _check_pgd(cfg.eval.pgd)
+    _check_device(cfg.device)
+    _dry_build(cfg)
+    ensure_writable_dir(cfg.results_dir)  # last: it makes the folder, which a refused run must not
+
+
+def _check_pgd(pgd: DictConfig) -> None:
+    """The PGD settings, checked even while PGD is off (turning it on later must not fail late)."""
+    checks.number("eval.pgd", "eps", pgd.eps, 0, 1, hint="pixel units")
+    checks.integer("eval.pgd", "steps", pgd.steps, 1)
+    checks.number("eval.pgd", "step_size", pgd.step_size, 0, low_open=True, allow_none=True, hint="null = 2.5 * eps / steps")
+    checks.integer("eval.pgd", "images", pgd.images, 1)
+    checks.integer("eval.pgd", "seed", pgd.seed, 0)
+
+
+def _check_device(device: str) -> None:
+    """The device's spelling only: whether a GPU is visible is checked where the run executes (a
+    Slurm job's node, not the login node that submits it)."""
+    if device == "auto":
+        return
+    try:
+        torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device={device!r} is not a device; use auto, cpu, cuda or cuda:N") from exc
+
+
+def _dry_build(cfg: DictConfig) -> None:
+    """Build attack, defense, trainer and model from `cfg` without data, and check how many samples
+    the attack may poison when the dataset's class counts are known; the objects are discarded.
+    Nothing is drawn from the global random state (the run's streams stay as without this)."""
+    spec = dataset_spec(cfg.dataset)
+    if spec is None:  # a loader we know nothing about: its data answers these checks later
+        return
+    with torch.random.fork_rng(devices=[]):
+        attack = build(cfg.attack, num_classes=spec.num_classes, image_shape=spec.image_shape)
+        labels = spec.train_labels()
+        if labels is not None:
+            attack.poison_indices(labels, torch.Generator().manual_seed(0))
+        if cfg.defense is not None:
+            build(cfg.defense)
+        if distributed.launched_world_size() <= 1:
+            # Under torchrun building a Trainer joins the process group, with the run's device only.
+            build(cfg.trainer, device="cpu", crop_padding=cfg.dataset.get("crop_padding", 0), hflip=False)
+        channels, height, _ = spec.image_shape
+        with torch.device("meta"), warnings.catch_warnings():  # shapes and names only: no memory, no init
+            # model.weights are read and checked against the shapes; copying them into meta tensors
+            # does nothing, and torch says so once per tensor
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+            build(cfg.model, in_channels=channels, num_classes=spec.num_classes, image_size=height)
 
 
 @contextmanager
@@ -200,6 +254,37 @@ def remove_checkpoints(folder: Path) -> None:
         folder.parent.rmdir()  # when no other run is unfinished
 
 
+PREPARE_FORMAT = "backdoorbench.prepare_checkpoint.v1"
+
+
+def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generator: torch.Generator, build_model) -> None:
+    """`attack.prepare(...)`, or its result restored from `checkpoint` when a killed run already
+    computed it (e.g. Input-aware's mask pre-training). What prepare leaves behind (its result,
+    the global RNG state that the victim's initialization draws from next, its logged epochs) is
+    saved there when the attack has a `prepare_state`, so the resumed run goes on exactly."""
+    where = f"checkpoint {str(checkpoint)!r}"
+    if checkpoint.exists():
+        try:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated zip, a foreign pickle, ...: torch raises many types
+            raise DataError(f"{where} cannot be read ({type(exc).__name__}); delete it to train from scratch") from exc
+        if not isinstance(state, dict) or state.get("format") != PREPARE_FORMAT or state.get("attack_name") != attack.name:
+            raise DataError(f"{where} is not {attack.name}'s saved preparation; delete it or give another path")
+        attack.load_prepare_state(state["attack"])
+        torch.set_rng_state(state["torch_rng"])
+        generator.set_state(state["generator"])
+        for row in state["attack"].get("history", []):
+            if trainer.on_epoch is not None:
+                trainer.on_epoch(row)  # the killed run's logger never wrote them
+        log.info("%s: preparation restored from %s", attack.name, checkpoint)
+        return
+    attack.prepare(trainer=trainer, train=train, generator=generator, build_model=build_model)
+    prepared = attack.prepare_state()
+    if prepared is not None and distributed.is_main():
+        atomic_torch_save({"format": PREPARE_FORMAT, "attack_name": attack.name, "attack": prepared,
+                           "torch_rng": torch.get_rng_state(), "generator": generator.get_state()}, checkpoint)
+
+
 def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack,
                   trainer, timings: dict[str, float], results_dir: Path) -> tuple[dict[str, Any], Any, Normalized]:
     """The attacked model: from the victim cache when an identical one was trained before (the
@@ -227,17 +312,14 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
                 return ({"cache": "hit", "key": key, "path": str(cache.path), "train_s": hit.train_s,
                          "poison_s": hit.poison_s, "trained_by": hit.trained_by}, hit.poisoned, model)
             torch.set_rng_state(rng)  # a miss draws exactly what a run without the cache draws
+        checkpoints = results_dir / "checkpoints" / (key if cache is not None else run_id)
         with timed(timings, "poison"):
-            attack.prepare(trainer=trainer, train=data.train, generator=stream(seed, "attack"),
-                           build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
+            prepare_attack(attack, checkpoints / "prepare.pt", trainer=trainer, train=data.train,
+                           generator=stream(seed, "attack"), build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
             poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
         model = build_model(cfg, data)  # after prepare, as without a cache: the same global RNG draws
-        checkpoints = results_dir / "checkpoints" / (key if cache is not None else run_id)
         with timed(timings, "train"):
-            if attack.resumable:
-                attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"), checkpoint=checkpoints / "victim.pt")
-            else:
-                attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"))
+            attack.train_victim(trainer, model, poisoned.split, stream(seed, "train"), checkpoint=checkpoints / "victim.pt")
         if cache is None:
             return {"cache": "off", "key": key}, poisoned, model
         if distributed.is_main():
@@ -261,16 +343,18 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     timings: dict[str, float] = {}
     started = time.perf_counter()
     torch.manual_seed(seed)
-    logger = build(cfg.logger) if cfg.logger is not None and distributed.is_main() else None
-    if logger is not None:
-        logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
-
     with timed(timings, "data"):
         data: ImageDataset = build(cfg.dataset)
     attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
     defense: Defense | None = build(cfg.defense) if cfg.defense is not None else None
     trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
+    # The logger starts (and may write, e.g. wandb's folder) once everything that can refuse the
+    # run without training has.
+    logger = build(cfg.logger) if cfg.logger is not None and distributed.is_main() else None
+    if logger is not None:
+        logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
+    excluded = defense.not_applicable(attack) if defense is not None else None  # the threat models' pairing
     log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
              data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)
 
@@ -288,7 +372,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
 
     defended = der = detection = None
     defense_info: dict[str, Any] = {"name": "none"}
-    if defense is not None:
+    if defense is not None and excluded is not None:  # decided before any defense work: nothing is run
+        log.info("defense %s does not apply to %s: %s", defense.name, attack.name, excluded)
+        defense_info = {**defense.describe(), "applicable": False, "not_applicable": excluded}
+    elif defense is not None:
         if defense.needs_clean_data or defense.clean_fraction > 0:
             subset = clean_subset_indices(len(data.train), poisoned.indices, defense.clean_fraction, stream(seed, "clean_subset"))
         else:  # data-free defenses (CLP) run with no clean sample at all
@@ -318,7 +405,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
             with timed(timings, "pgd_defended"):
                 defended["pgd_acc"] = measure_pgd(repaired, data, cfg.eval.pgd, trainer.device)
         der = defense_effectiveness_rating(attacked, defended)
-        defense_info = {**defense.describe(), "clean_subset_size": int(len(subset)), "extras": outcome.extras}
+        defense_info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)),
+                        "extras": outcome.extras}
     timings["total"] = round(time.perf_counter() - started, 4)
 
     record = RunRecord(
@@ -350,14 +438,30 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     )
     if not distributed.is_main():
         return record, None
-    path = results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}" / f"{run_id}.json"
-    record.artifacts = write_beside_record(path, artifacts)  # before the record: it never names a missing file
-    save_record(record, path)
+    path = write_new_record(record, artifacts, results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}")
     remove_checkpoints(results_dir / "checkpoints" / run_id)  # cache off: kept until the record is safe
     if logger is not None:
         logger.log_summary(record.to_dict())
         logger.finish(path)
     return record, path
+
+
+def write_new_record(record: RunRecord, artifacts: dict[str, Any], folder: Path) -> Path:
+    """Write the record (and its artifacts first, so it never names a missing file) under the first
+    free repeat of its run id in `folder`; return its path. Nothing of another run is replaced:
+    a name taken meanwhile (the same config finishing at the same moment elsewhere) moves this
+    run on to the next repeat."""
+    while True:
+        record.repeat = next_repeat(folder, record.run_id)
+        path = repeat_path(folder, record.run_id, record.repeat)
+        written = None
+        try:
+            record.artifacts = written = write_beside_record(path, artifacts)
+            return save_record(record, path, exclusive=True)
+        except FileExistsError:
+            if written is not None:
+                (folder / written).unlink(missing_ok=True)  # ours: the record that claimed the name is not
+            continue
 
 
 def summary_table(record: RunRecord, path: Path) -> str:
@@ -371,6 +475,8 @@ def summary_table(record: RunRecord, path: Path) -> str:
         lines.append(f"{name:<{width}}  {m['clean_acc']:>7.2%}  {m['asr']:>7.2%}  {m['ra']:>7.2%}")
     if record.metrics["der"] is not None:
         lines.append(f"DER {record.metrics['der']:.4f}")
+    if record.defense.get("applicable") is False:
+        lines.append(f"defense {record.defense['name']}: not applicable ({record.defense['not_applicable']})")
     attack = record.attack
     target = f" target {attack['target']}" if attack["target"] is not None else ""
     # Data-poisoning attacks rewrite at least one training sample (a rate that poisons none is an

@@ -12,11 +12,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from backdoorbench.fileio import atomic_write_text
+from backdoorbench.fileio import atomic_write_text, write_new_bytes
 
 SCHEMA_VERSION = 1
 METRIC_KEYS = ("clean_acc", "asr", "ra")
-OPTIONAL_FIELDS = {"victim", "artifacts"}  # added within schema 1; records written before them lack them
+OPTIONAL_FIELDS = {"victim", "artifacts", "repeat"}  # added within schema 1; records written before them lack them
+# The files of one run beside each other: the record, its artifacts, its epoch log.
+RUN_FILE_SUFFIXES = (".json", ".npz", ".epochs.csv")
 
 
 class RecordError(ValueError):
@@ -43,6 +45,9 @@ class RunRecord:
     victim: dict[str, Any] | None = None
     # File name (beside the record) of the run's .npz artifacts for figures; absent in older records.
     artifacts: str | None = None
+    # The same config run again (another machine, another thread count) keeps its own record beside
+    # the first: repeat n >= 2 is `<run_id>.<n>.json`. The leaderboard counts the highest repeat.
+    repeat: int = 1
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,17 +111,46 @@ def validate_record(data: Any) -> None:
     for key, value in data["timings_s"].items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise RecordError(f"timings_s.{key} must be a number >= 0, got {value!r}")
+    repeat = data.get("repeat", 1)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise RecordError(f"repeat must be an integer >= 1, got {repeat!r}")
     artifacts = data.get("artifacts")
     if artifacts is not None and (not isinstance(artifacts, str) or not artifacts.endswith(".npz")
                                   or Path(artifacts).name != artifacts or artifacts.startswith(".")):
         raise RecordError(f"artifacts must be null or the name of an .npz file beside the record, got {artifacts!r}")
 
 
-def save_record(record: RunRecord, path: str | Path) -> Path:
-    """Validate, then write atomically (temp file + rename)."""
+def save_record(record: RunRecord, path: str | Path, *, exclusive: bool = False) -> Path:
+    """Validate, then write atomically (temp file + rename); `exclusive`: FileExistsError rather
+    than replace an existing file."""
     data = record.to_dict()
     validate_record(data)
-    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
+    text = json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    return write_new_bytes(path, text.encode("utf-8")) if exclusive else atomic_write_text(path, text)
+
+
+def repeat_path(folder: str | Path, run_id: str, repeat: int) -> Path:
+    """Where repeat `repeat` of run `run_id` keeps its record: `<run_id>.json`, then `<run_id>.<n>.json`."""
+    return Path(folder) / (f"{run_id}.json" if repeat == 1 else f"{run_id}.{repeat}.json")
+
+
+def next_repeat(folder: str | Path, run_id: str) -> int:
+    """The first repeat of `run_id` whose files (record, artifacts, epoch log) are all absent in `folder`."""
+    repeat = 1
+    while any(repeat_path(folder, run_id, repeat).with_suffix(suffix).exists() for suffix in RUN_FILE_SUFFIXES):
+        repeat += 1
+    return repeat
+
+
+def latest_repeats(records: list[tuple[RunRecord, Path]]) -> list[tuple[RunRecord, Path]]:
+    """Of the records of one run id (the same config and seed, run again), the highest repeat only,
+    so a table counts each seed once and shows the most recent measurement; order kept."""
+    latest: dict[str, tuple[int, Path]] = {}
+    for record, path in records:
+        key = record.run_id
+        if key not in latest or (record.repeat, str(path)) > (latest[key][0], str(latest[key][1])):
+            latest[key] = (record.repeat, path)
+    return [(record, path) for record, path in records if latest[record.run_id][1] == path]
 
 
 def artifacts_path(record: RunRecord, record_path: str | Path) -> Path | None:

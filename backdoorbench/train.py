@@ -4,9 +4,12 @@ The whole training split lives on the training device as one uint8 tensor; each 
 batch, augments it with tensor ops (random crop with zero padding, horizontal flip where the
 dataset allows it) and converts it to [0, 1] floats. The epoch's shuffle and augmentation draws
 are made once per epoch on the CPU generator and moved to the device in one copy, and metrics
-are summed on the device, so the loop never waits for the GPU. Training-time attacks and in-training
-defenses replace the per-batch loss through the `step` hook. `fit(..., checkpoint=path)` saves
-after every epoch and resumes from that file, bit-exactly on the CPU.
+are summed on the device, so the loop waits for the GPU only when a progress bar reads them
+(about eight times an epoch, on a terminal). Each epoch ends with one log line (loss, accuracy,
+lr, time) for the terminal and Hydra's log file, and one row for the run's logger (CSV, wandb).
+Training-time attacks and in-training defenses replace the per-batch loss through the `step`
+hook. `fit(..., checkpoint=path)` saves after every epoch and resumes from that file, bit-exactly
+on the CPU.
 
 Under torchrun (backdoorbench.distributed) `fit` is data-parallel with global batch semantics:
 `batch_size` is the batch of the whole step, as in one process. Every process draws the same
@@ -31,9 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from backdoorbench import checks, distributed
+from backdoorbench import checks, distributed, progress
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save
@@ -131,6 +133,12 @@ def shard_bounds(start: int, stop: int, rank: int, world: int) -> tuple[int, int
     base, extra = divmod(stop - start, world)
     low = start + rank * base + min(rank, extra)
     return low, low + base + (1 if rank < extra else 0)
+
+
+def refresh_every(batches: int) -> int:
+    """Batches between two readings of the running loss and accuracy for the bar: about eight per
+    epoch, at most 50 apart. Each reading waits for the GPU, so not every step."""
+    return max(1, min(50, batches // 8))
 
 
 class _StepModule(nn.Module):
@@ -262,6 +270,7 @@ class Trainer:
         desc: str = "train",
         on_epoch: EpochCallback | None = None,
         checkpoint: str | Path | None = None,
+        companion: Any = None,
     ) -> list[dict[str, Any]]:
         """Train `model` on `split`; returns one dict per epoch (loss, accuracy, lr, seconds).
 
@@ -270,8 +279,9 @@ class Trainer:
         `checkpoint`: a file written (atomically) after every epoch with the model, optimizer,
         schedule, generator and global RNG states; if it exists when fit starts, training goes
         on from the epoch after it, ending exactly where an uninterrupted fit would (bit-exact
-        on the CPU). State a `step` keeps outside the model (e.g. a trigger generator's own
-        optimizer) is not in it. Epochs restored from it are passed to `on_epoch` once more, at
+        on the CPU). State a `step` keeps outside the model (a trigger generator, its optimizer,
+        the attack's own random stream) is saved with it when `companion` is given: an object
+        with `training_state() -> dict` and `load_training_state(dict)`. Epochs restored from it are passed to `on_epoch` once more, at
         the start, because the process that logged them first is gone (a killed run's logger never
         wrote them), so the resumed run's log holds every epoch.
         """
@@ -299,7 +309,8 @@ class Trainer:
         if checkpoint is not None:
             checkpoint = Path(checkpoint).expanduser()
             if checkpoint.exists():
-                done, history = load_checkpoint(checkpoint, meta, model, optimizer, scheduler, generator, extra)
+                done, history = load_checkpoint(checkpoint, meta, model, optimizer, scheduler, generator, extra,
+                                                companion=companion)
                 log.info("%s: resumed from %s after epoch %d of %d", desc, checkpoint, done, epochs)
                 replay = on_epoch or self.on_epoch
                 if replay is not None:
@@ -322,9 +333,9 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             correct = torch.zeros((), device=self.device, dtype=torch.long)
             seen = 0
-            show = self.progress and distributed.is_main()
-            bar = tqdm(bounds, desc=f"{desc} {epoch}/{epochs}", leave=False, disable=None if show else True)
-            for i, (batch_start, batch_stop) in enumerate(bar):
+            bar = progress.bar(len(bounds), f"{desc} {epoch}/{epochs}", unit="batch", enabled=self.progress)
+            lr_now = optimizer.param_groups[0]["lr"]
+            for i, (batch_start, batch_stop) in enumerate(bounds):
                 start, stop = shard_bounds(batch_start, batch_stop, rank, world)
                 idx = order[start:stop]
                 batch = images[idx]
@@ -351,8 +362,12 @@ class Trainer:
                 loss_sum += loss.detach() * len(scored)
                 correct += (logits.detach().argmax(1) == scored).sum()
                 seen += len(scored)
-                if i % 50 == 49 and not bar.disable:
-                    bar.set_postfix(loss=f"{loss_sum.item() / seen:.4f}", acc=f"{correct.item() / seen:.4f}")
+                if not bar.disable:
+                    bar.update()
+                    last = i + 1 == len(bounds)
+                    if last or (i + 1) % refresh_every(len(bounds)) == 0:
+                        bar.set_postfix({"loss": f"{loss_sum.item() / seen:.4f}", "acc": f"{correct.item() / seen:.4f}",
+                                         "lr": f"{lr_now:.3g}"}, refresh=last)
             bar.close()
             if world > 1:  # the whole epoch's sums, one collective per epoch
                 totals = distributed.all_reduce_sum(torch.stack([loss_sum.double(), correct.double(),
@@ -371,8 +386,12 @@ class Trainer:
             }
             scheduler.step()
             history.append(row)
+            if distributed.is_main():
+                log.info("%s epoch %d/%d: loss %.4f, acc %.4f, lr %.4g, %.1f s", desc, epoch, epochs,
+                         row["loss"], row["train_acc"], row["lr"], row["time_s"])
             if checkpoint is not None and distributed.is_main():
-                save_checkpoint(checkpoint, meta, epoch, model, optimizer, scheduler, generator, extra, history)
+                save_checkpoint(checkpoint, meta, epoch, model, optimizer, scheduler, generator, extra, history,
+                                companion=companion)
             callback = on_epoch or self.on_epoch
             if callback is not None:
                 callback(row)
@@ -408,9 +427,12 @@ def save_checkpoint(
     generator: torch.Generator,
     extra_params: list[nn.Parameter],
     history: list[dict[str, Any]],
+    *,
+    companion: Any = None,
 ) -> None:
     """Write the state after `epoch` to a temp file beside `path`, then rename it over `path`,
-    so a crash mid-write leaves the previous epoch's checkpoint intact."""
+    so a crash mid-write leaves the previous epoch's checkpoint intact. `companion`'s
+    `training_state()` (e.g. a training-controlled attack's generator) is saved with it."""
     state = {
         "format": CHECKPOINT_FORMAT,
         "meta": meta,
@@ -423,6 +445,7 @@ def save_checkpoint(
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
         "extra_params": [p.detach().cpu() for p in extra_params],
         "history": history,
+        "companion": companion.training_state() if companion is not None else None,
     }
     atomic_torch_save(state, path)
 
@@ -435,6 +458,8 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     generator: torch.Generator,
     extra_params: list[nn.Parameter],
+    *,
+    companion: Any = None,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Restore everything `save_checkpoint` wrote; return (epochs done, their history rows).
     Anything unreadable or written by a different fit is one DataError line."""
@@ -457,6 +482,10 @@ def load_checkpoint(
         with torch.no_grad():
             for param, saved in zip(extra_params, state["extra_params"]):
                 param.copy_(saved)
+        if (state.get("companion") is None) != (companion is None):
+            raise ValueError("the checkpoint's training-time attack state does not match this fit's")
+        if companion is not None:
+            companion.load_training_state(state["companion"])
         generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] and torch.cuda.is_available():

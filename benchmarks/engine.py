@@ -23,7 +23,8 @@ load average before and after, and the thread counts.
     python benchmarks/engine.py --input-only --repeats 7 --threads 1    # the input path alone, no model
     python benchmarks/engine.py --profile --threads 1    # where the model's step time goes, by operator
 
-A figure-printing script, not a test. It runs unchanged on a GPU (device auto = CUDA if present).
+A figure-printing script, not a test. It is meant to run unchanged on a GPU (device auto = CUDA
+if present) but has not been run on one yet; benchmarks/gpu_check.py's throughput section uses it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,17 @@ class PILImages(Dataset):
         array = self.images[i]
         image = Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
         return self.transform(image), self.labels[i]
+
+
+def baseline_loader(data: ImageDataset, batch_size: int, workers: int, device: torch.device) -> DataLoader:
+    """The usual pipeline over `data.train`: PIL images, RandomCrop(padding), RandomHorizontalFlip
+    where allowed, ToTensor, Normalize, a shuffling DataLoader (workers persist between epochs)."""
+    steps = [transforms.RandomCrop(data.image_shape[1], padding=data.crop_padding)]
+    if data.hflip:
+        steps.append(transforms.RandomHorizontalFlip())
+    steps += [transforms.ToTensor(), transforms.Normalize(data.mean, data.std)]
+    return DataLoader(PILImages(data.train, transforms.Compose(steps)), batch_size=batch_size, shuffle=True,
+                      num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
 
 
 def sgd_step(net: nn.Module, optimizer: torch.optim.Optimizer, x, y, amp: bool) -> torch.Tensor:
@@ -280,13 +292,7 @@ def main() -> None:
           f"batch {args.batch_size}; memory format {format_name(memory_format)} (baselines: {format_name(baseline_format)}), "
           f"bf16 autocast {use_amp} (all arms); repeats {args.repeats}")
 
-    steps = [transforms.RandomCrop(data.image_shape[1], padding=data.crop_padding)]
-    if data.hflip:
-        steps.append(transforms.RandomHorizontalFlip())
-    steps += [transforms.ToTensor(), transforms.Normalize(data.mean, data.std)]
-    loaders = {w: DataLoader(PILImages(train, transforms.Compose(steps)), batch_size=args.batch_size, shuffle=True,
-                             num_workers=w, pin_memory=device.type == "cuda", persistent_workers=w > 0)
-               for w in workers}
+    loaders = {w: baseline_loader(data, args.batch_size, w, device) for w in workers}
     warm_steps = args.warmup_steps or None
 
     if args.input_only:

@@ -83,3 +83,23 @@ def tiny_results(tmp_path_factory):
         runs[name] = run(cfg)
     GlobalHydra.instance().clear()
     return runs, results
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm cluster on localhost (tests/slurm_cluster.py), started once per
+    session and stopped at its end. Skipped with the reason where it can't start (not root, the
+    Debian packages absent); under CI=true it must start, so there the reason is a failure."""
+    from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
+
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+    except SlurmUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Slurm must run in CI (.ci/run installs it): {exc}", pytrace=False)
+        pytest.skip(f"no Slurm cluster here: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

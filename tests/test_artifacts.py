@@ -38,10 +38,15 @@ def test_loading_refuses_pickles_and_names_a_corrupt_file(tmp_path):
         load_artifacts(tmp_path / "missing.npz")
 
 
-def test_nothing_to_save_removes_a_stale_file(tmp_path):
+def test_artifacts_never_replace_another_runs_file(tmp_path):
+    # The pipeline picks a name no run has used; a file found there anyway belongs to another run.
     record = tmp_path / "abc.json"
-    assert write_beside_record(record, {"x": [1.0]}) == "abc.npz" and (tmp_path / "abc.npz").exists()
-    assert write_beside_record(record, {}) is None and not (tmp_path / "abc.npz").exists()
+    assert write_beside_record(record, {"x": [1.0]}) == "abc.npz"
+    before = (tmp_path / "abc.npz").read_bytes()
+    with pytest.raises(FileExistsError):
+        write_beside_record(record, {"x": [2.0]})
+    assert write_beside_record(record, {}) is None  # nothing to save: nothing written or removed
+    assert (tmp_path / "abc.npz").read_bytes() == before
 
 
 def test_record_field_is_optional_and_a_plain_file_name():

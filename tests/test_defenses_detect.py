@@ -16,7 +16,7 @@ from backdoorbench.defenses.activation_clustering import ActivationClustering
 from backdoorbench.defenses.base import DefenseContext
 from backdoorbench.defenses.runner import run_defense
 from backdoorbench.defenses.spectral import SpectralSignatures
-from backdoorbench.defenses.strip import Strip, mean_entropy, superimpose
+from backdoorbench.defenses.strip import Strip, frr_cutoff, mean_entropy, normal_fit_cutoff, superimpose
 from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.models.base import ImageClassifier, Normalized
@@ -87,24 +87,46 @@ def test_spectral_scores_separate_a_planted_cluster():
     assert torch.allclose(spectral.spectral_scores(3 * features + 5), scores, atol=1e-4)
 
 
-def test_spectral_removes_ratio_times_eps_per_class_and_catches_the_plant():
+def test_spectral_removes_ratio_times_the_expected_poison_count_per_class_and_catches_the_plant():
     a, a_poison = planted(300, 30, seed=0)
-    b, _ = planted(200, 0, seed=2)
+    b, _ = planted(370, 0, seed=2)
     features = torch.cat([a, b])
-    labels = torch.cat([torch.zeros(330, dtype=torch.long), torch.ones(200, dtype=torch.long)])
-    is_poison = torch.cat([a_poison, torch.zeros(200, dtype=torch.bool)])
-    _, flagged = spectral.detect(features, labels, removal_ratio=1.5, expected_poison_fraction=0.1)
-    assert int(flagged[:330].sum()) == round(1.5 * 0.1 * 330) and int(flagged[330:].sum()) == 30
+    labels = torch.cat([torch.zeros(330, dtype=torch.long), torch.ones(370, dtype=torch.long)])
+    is_poison = torch.cat([a_poison, torch.zeros(370, dtype=torch.bool)])
+    # 1.5 * eps * N = 1.5 * 0.04 * 700 = 42 from every class (both hold more than 84)
+    _, flagged = spectral.detect(features, labels, removal_ratio=1.5, expected_poison_rate=0.04)
+    assert int(flagged[:330].sum()) == 42 and int(flagged[330:].sum()) == 42
     assert bool(flagged[is_poison].all())  # every planted sample is among the removed
+
+
+def test_both_detectors_find_a_half_poisoned_class():
+    # Dirty-label all2one at a 10% rate poisons about half of the target class: here 190 of the 400
+    # samples of class 0, about 10% of the 2,000 samples (4 more clean classes of 400).
+    a, a_poison = planted(210, 190, seed=0, shift=10.0)
+    clean = [planted(400, 0, seed=seed)[0] for seed in (2, 3, 4, 5)]
+    features = torch.cat([a, *clean])
+    labels = torch.cat([torch.full((400,), c, dtype=torch.long) for c in range(5)])
+    is_poison = torch.cat([a_poison, torch.zeros(1600, dtype=torch.bool)])
+    # Spectral: 1.5 * 0.1 * 2000 = 300 per class, capped at half the class (200), room for all the
+    # poison; the old rule (15% of each class: 60) could catch at most 60 / 190 = 32% of it. Near 50%
+    # the two halves sit almost symmetrically about the class mean, so the squared projection
+    # ranks the poison only slightly higher (0.59 here; 0.91 at 40% poisoned).
+    scores, flagged = spectral.detect(features, labels, removal_ratio=1.5, expected_poison_rate=0.1)
+    assert int(flagged[:400].sum()) == 200
+    assert float(flagged[is_poison].float().mean()) > 0.5 and auroc(scores, is_poison) > 0.65
+    # Activation clustering: the split of class 0 is the poison; the relative-size rule (0.35)
+    # cannot call a half-class cluster small, the official code's default rule (`smaller`) flags it.
+    for analysis, expected_tpr in (("smaller", 1.0), ("relative_size", 0.0)):
+        _, flagged, stats = activation_clustering.detect(features, labels, n_components=10, method="ica",
+                                                         analysis=analysis, size_threshold=0.35, seed=0)
+        assert float(flagged[is_poison].float().mean()) == pytest.approx(expected_tpr, abs=0.02), analysis
 
 
 def test_spectral_config_errors():
     with pytest.raises(ConfigError, match="class 1 has 1 training sample"):
         spectral.class_removals(torch.tensor([0, 0, 1]), 1.5, 0.1)
-    with pytest.raises(ConfigError, match="expected_poison_fraction"):
-        SpectralSignatures(expected_poison_fraction=0)
-    with pytest.raises(ConfigError, match="whole classes"):
-        SpectralSignatures(expected_poison_fraction=0.7, removal_ratio=1.5)
+    with pytest.raises(ConfigError, match="expected_poison_rate"):
+        SpectralSignatures(expected_poison_rate=0)
 
 
 # ---- Activation Clustering: on plain feature tensors ---------------------------------------------
@@ -117,7 +139,7 @@ def test_activation_clustering_flags_a_small_planted_cluster_and_spares_a_clean_
     labels = torch.cat([torch.zeros(200, dtype=torch.long), torch.ones(200, dtype=torch.long)])
     is_poison = torch.cat([a_poison, torch.zeros(200, dtype=torch.bool)])
     scores, flagged, stats = activation_clustering.detect(features, labels, n_components=10, method="ica",
-                                                          size_threshold=0.35, seed=0)
+                                                          analysis="relative_size", size_threshold=0.35, seed=0)
     assert stats["poisoned_classes"] == [0]
     assert torch.equal(flagged, is_poison)
     assert stats["smaller_cluster_share"]["0"] == pytest.approx(30 / 200)
@@ -134,6 +156,8 @@ def test_activation_clustering_needs_enough_samples_per_class():
         ActivationClustering(reduction="tsne")
     with pytest.raises(ConfigError, match="size_threshold"):
         ActivationClustering(size_threshold=0.8)
+    with pytest.raises(ConfigError, match="analysis='biggest' is unknown"):
+        ActivationClustering(analysis="biggest")
 
 
 # ---- both, end to end on a tiny BadNets-poisoned victim -----------------------------------------
@@ -158,7 +182,7 @@ def test_activation_clustering_finds_the_badnets_samples(poisoned_victim):
     model, _, poisoned, is_poison = poisoned_victim
     # PCA here: on this toy's 16 ReLU features ICA's unit-variance components turn the skewed
     # clean class into a spurious small cluster (ICA is covered on planted features above)
-    result = ActivationClustering(reduction="pca").apply(context(model, poisoned, poisoned.split.subset(torch.arange(0)),
+    result = ActivationClustering(reduction="pca", analysis="relative_size").apply(context(model, poisoned, poisoned.split.subset(torch.arange(0)),
                                                   num_classes=VICTIM_CLASSES))
     assert result.extras["poisoned_classes"] == [0]  # the target class, and only it
     tpr = float(result.flagged[is_poison].float().mean())
@@ -168,12 +192,12 @@ def test_activation_clustering_finds_the_badnets_samples(poisoned_victim):
 
 def test_spectral_through_the_runner_scores_and_retrains_on_the_kept(poisoned_victim):
     model, attack, poisoned, is_poison = poisoned_victim
-    defense = SpectralSignatures(expected_poison_fraction=0.2)
+    defense = SpectralSignatures(expected_poison_rate=0.2)
     ctx = context(model, poisoned, poisoned.split.subset(torch.arange(0)), num_classes=VICTIM_CLASSES)
     outcome = run_defense(defense, ctx, attack, quadrant_data(40, seed=5, num_classes=VICTIM_CLASSES))
     target = poisoned.split.labels == 0
     counts = torch.bincount(poisoned.split.labels).tolist()
-    assert outcome.detection["n_flagged"] == sum(round(1.5 * 0.2 * n) for n in counts)
+    assert outcome.detection["n_flagged"] == sum(min(n // 2, round(1.5 * 0.2 * sum(counts))) for n in counts)
     assert outcome.extras["n_kept"] == len(is_poison) - outcome.detection["n_flagged"]
     assert outcome.detection["tpr"] > 0.6  # removes most of the 40 poisoned ...
     scores = defense.apply(ctx).sample_scores
@@ -225,7 +249,7 @@ def test_strip_entropy_is_low_for_triggered_inputs_and_the_runner_rejects_them()
     assert bad_h.median() < 0.5 * clean_h.median()
     assert outcome.detection["auroc"] > 0.95
     assert outcome.detection["tpr"] > 0.8 and outcome.detection["fpr"] < 0.15, outcome.detection
-    assert outcome.extras["calibration_frr"] <= 0.1  # the threshold sits at the chosen FRR on clean data
+    assert outcome.extras["calibration_frr"] == pytest.approx(6 / 120)  # floor(0.05 * 120) = 6 clean images rejected
     assert outcome.defended["asr"] < 0.2  # rejected triggered inputs no longer count as attacks
     assert outcome.detection["threshold"] == pytest.approx(-outcome.extras["entropy_threshold_bits"])
 
@@ -246,3 +270,14 @@ def test_strip_is_seeded_and_needs_clean_images():
         Strip(frr=1.5)
     with pytest.raises(ConfigError, match="clean_fraction"):
         Strip(clean_fraction=0)
+
+
+def test_strip_threshold_meets_the_requested_frr_where_a_normal_fit_does_not():
+    # Clean entropies are skewed: most images near the top, a tail of confident ones (as on mnist5k).
+    g = torch.Generator().manual_seed(0)
+    entropies = 3.3 + 0.5 * torch.rand(1000, generator=g).log()  # 3.3 minus an exponential of mean 0.5
+    for frr in (0.01, 0.05):
+        rejected = int((entropies < frr_cutoff(entropies, frr)).sum())
+        assert rejected == round(frr * 1000)  # the k lowest of n, k = floor(frr * n)
+    # the paper's normal fit rejects more than twice what was asked for on such a tail
+    assert float((entropies < normal_fit_cutoff(entropies, 0.01)).float().mean()) > 0.02

@@ -11,6 +11,7 @@ import copy
 from functools import partial
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from backdoorbench.defenses.anp import AdversarialNeuronPruning, NoisyBatchNorm2
 from backdoorbench.defenses.base import DefenseContext, clean_subset_indices
 from backdoorbench.defenses.clp import ChannelLipschitzPruning
 from backdoorbench.defenses.fine_pruning import FinePruning, conv_stage_outputs, prune_last_stage
+from backdoorbench.defenses.fine_tuning import FineTuning
 from backdoorbench.defenses.i_bau import ImplicitBackdoorAdversarialUnlearning, implicit_hypergradient
 from backdoorbench.defenses.nad import NeuralAttentionDistillation, attention_map
 from backdoorbench.defenses.neural_cleanse import NeuralCleanse, flagged_classes, mad_anomaly_index
@@ -231,6 +233,62 @@ def test_clp_prunes_only_the_channel_with_a_huge_lipschitz_bound():
     assert unchanged(model, before)
 
 
+# Convolutions CLP scores per model of the zoo: (scored, of which through a residual sum, all convs).
+# PreAct-ResNet-18: the stem and every conv1 feed a BN directly (9); every conv2 but the last and
+# the 3 projection shortcuts feed the residual sum the next block's bn1 normalizes (10); the last
+# conv2 feeds the pooling, with no BN after it. The post-activation ResNets and VGGs have a BN after
+# every conv.
+CLP_ZOO = {
+    "mnist_cnn": ((1, 28, 28), 2, 0, 2),
+    "preact_resnet18": ((3, 32, 32), 19, 10, 20),
+    "resnet18": ((3, 32, 32), 20, 0, 20),
+    "vgg11": ((3, 32, 32), 8, 0, 8),
+    "vgg16_bn": ((3, 32, 32), 13, 0, 13),
+    "timm": ((3, 32, 32), 20, 0, 20),  # timm's resnet18
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLP_ZOO))
+def test_clp_scores_every_conv_with_a_sound_bound_on_every_model_of_the_zoo(name):
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    import backdoorbench
+    from backdoorbench.defenses.clp import conv_bn_pairs
+
+    shape, scored, through_sum, convs = CLP_ZOO[name]
+    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
+    torch.manual_seed(0)
+    model = Normalized(instantiate(node, in_channels=shape[0], num_classes=10, image_size=shape[1]),
+                       (0.5,) * shape[0], (0.25,) * shape[0])
+    pairs = conv_bn_pairs(model, shape)
+    assert sum(isinstance(m, nn.Conv2d) for m in model.modules()) == convs
+    assert len(pairs) == scored and sum(p.through_sum for p in pairs) == through_sum
+    assert len({id(p.conv) for p in pairs}) == scored  # each conv scored once
+    result = ChannelLipschitzPruning().apply(make_ctx(model, Split(torch.zeros(0, *shape, dtype=torch.uint8),
+                                                                   torch.zeros(0, dtype=torch.long))))
+    assert result.extras["n_layers"] == scored
+
+
+def test_clp_prunes_a_summed_conv_by_its_own_kernel_not_the_shared_bn():
+    from backdoorbench.models.preact_resnet import PreActResNet18
+
+    torch.manual_seed(0)
+    model = Normalized(PreActResNet18(in_channels=3, num_classes=10), (0.5,) * 3, (0.25,) * 3)
+    stage = model.net.features[1]  # the first residual stage
+    conv2, reader = stage[0].conv2, stage[1].bn1
+    with torch.no_grad():
+        conv2.weight[7] *= 50.0  # a backdoor-like channel: a huge Lipschitz bound
+    empty = Split(torch.zeros(0, 3, 32, 32, dtype=torch.uint8), torch.zeros(0, dtype=torch.long))
+    result = ChannelLipschitzPruning().apply(make_ctx(model, empty))
+    repaired = result.model.net.features[1]
+    assert torch.count_nonzero(repaired[0].conv2.weight[7]) == 0  # the channel of conv2 is gone
+    assert torch.equal(repaired[1].bn1.weight, reader.weight)  # the skip path's channel 7 is kept
+    assert 7 in [c for layer in result.extras["pruned_channels"] for c in layer]
+
+
 # ---- errors for people ----------------------------------------------------------------------------
 
 
@@ -269,10 +327,23 @@ def test_out_of_range_parameters_are_config_errors(make):
 def test_mad_flags_only_small_outliers():
     norms = torch.tensor([1.0, 10.0, 10.5, 9.5, 11.0, 10.0, 9.0, 10.2, 30.0, 9.8], dtype=torch.float64)
     index = mad_anomaly_index(norms)
-    median = norms.median()
-    mad = 1.4826 * (norms - median).abs().median()
-    assert torch.allclose(index, (norms - median).abs() / mad)
+    median = np.median(norms.numpy())  # the official code's median: the mean of the middle two
+    mad = 1.4826 * np.median(np.abs(norms.numpy() - median))
+    assert np.allclose(index.numpy(), np.abs(norms.numpy() - median) / mad)
     assert index[8] > 2 and flagged_classes(norms, 2.0) == [0]  # a big mask is no backdoor
+
+
+def test_mad_takes_the_mean_of_the_two_middle_values_like_np_median():
+    # The mask norms of the committed BadNets record 1137154073004141 (10 classes, target 0).
+    # torch.median's lower middle value (65.15) gives MAD 16.77 and class 8 an index of 2.02, a
+    # false positive; np.median's 65.45 gives MAD 25.32 and flags the target alone.
+    norms = torch.tensor([1.57, 158.84, 42.45, 53.84, 69.74, 73.34, 65.75, 87.99, 31.29, 65.15], dtype=torch.float64)
+    median = np.median(norms.numpy())
+    assert float(torch.median(norms)) != pytest.approx(median)  # the two medians differ here
+    index = mad_anomaly_index(norms)
+    expected = np.abs(norms.numpy() - median) / (1.4826 * np.median(np.abs(norms.numpy() - median)))
+    assert np.allclose(index.numpy(), expected)
+    assert index[8] < 2 and flagged_classes(norms, 2.0) == [0]
 
 
 BLOB_SLOTS = [(row, col) for row in range(4) for col in range(4) if (row, col) != (3, 3)][:10]
@@ -342,25 +413,57 @@ def test_nad_distillation_pulls_the_students_attention_to_the_teachers(backdoor,
     with torch.no_grad():  # a teacher whose second conv stage attends elsewhere
         weight = teacher.net.features[4].weight
         weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * weight.std())
-    defense = NeuralAttentionDistillation(epochs=3, betas=[beta, beta])
+    defense = NeuralAttentionDistillation(epochs=3, betas=[beta, beta], lr=0.01)
     student = copy.deepcopy(backdoor.model)
-    names = defense.layer_names(student, torch.rand(2, 1, 14, 14))
-    assert names == ["features.3", "features.7"]
+    names, betas = defense.layer_names(student, torch.rand(2, 1, 14, 14))
+    assert names == ["features.3", "features.7"] and betas == [beta, beta]
     distance = partial(defense.attention_distance, names=names, images=ctx.clean_subset.images,
                        device=torch.device("cpu"), batch_size=1024)
     before = distance(student, teacher)
-    defense.distill(student, teacher, names, ctx.clean_subset, ctx.trainer, torch.Generator().manual_seed(1))
+    defense.distill(student, teacher, names, betas, ctx.clean_subset, ctx.trainer, torch.Generator().manual_seed(1))
     if beta == 0:  # cross-entropy alone does not chase the teacher
         assert distance(student, teacher) > 0.9 * before
     else:
         assert distance(student, teacher) < 0.6 * before
 
 
-def test_nad_repairs_a_copy_and_records_the_attention_distance(backdoor):
+def test_nad_follows_the_official_recipe(backdoor):
+    defense = NeuralAttentionDistillation(teacher_epochs=1, epochs=3)
+    assert defense.betas == [500.0, 1000.0, 1000.0] and defense.lr == 0.1
+    # the three residual groups the official betas weigh: layer2-4 of the 4-stage ResNets
+    from backdoorbench.models.preact_resnet import PreActResNet18
+
+    names, betas = defense.layer_names(PreActResNet18(in_channels=3, num_classes=10), torch.rand(2, 3, 32, 32))
+    # layer2, layer3 and layer4 (read at features.5, the identity `feature_act` after layer4: the same tensor)
+    assert names == ["features.2", "features.3", "features.5"] and betas == [500.0, 1000.0, 1000.0]
+    # mnist_cnn has two conv stages: the deepest two betas
     before = state_copy(backdoor.model)
-    result = NeuralAttentionDistillation(teacher_epochs=1, epochs=1).apply(backdoor.ctx())
+    modes: list[bool] = []
+    teacher_hook = {}
+
+    original = NeuralAttentionDistillation.distill
+
+    def spy(self, student, teacher, *args, **kwargs):
+        teacher_hook["before"] = state_copy(teacher)
+        handle = teacher.register_forward_hook(lambda module, inputs, output: modes.append(module.training))
+        try:
+            return original(self, student, teacher, *args, **kwargs)
+        finally:
+            handle.remove()
+            teacher_hook["after"] = teacher
+
+    NeuralAttentionDistillation.distill = spy
+    try:
+        result = defense.apply(backdoor.ctx())
+    finally:
+        NeuralAttentionDistillation.distill = original
+    extras = result.extras
     assert result.model is not backdoor.model and unchanged(backdoor.model, before)
-    assert result.extras["n_attention_layers"] == 1 and result.extras["attention_distance_before"] >= 0
+    assert extras["n_attention_layers"] == 2 and extras["betas_used"] == [1000.0, 1000.0]
+    assert extras["lr_per_epoch"] == pytest.approx([0.1, 0.1, 0.01])  # 0.1 for two epochs, then 0.01
+    assert modes and not any(modes)  # the teacher ran in eval mode throughout the distillation
+    assert unchanged(teacher_hook["after"], teacher_hook["before"])  # its batch-norm statistics untouched
+    assert extras["attention_distance_before"] >= 0
 
 
 # ---- ANP ------------------------------------------------------------------------------------------
@@ -450,7 +553,7 @@ def test_abl_unlearning_raises_the_loss_of_the_backdoored_samples(backdoor):
 
     def run(unlearn_epochs: int):
         defense = AntiBackdoorLearning(isolation_epochs=2, finetune_epochs=1, unlearn_epochs=unlearn_epochs,
-                                       unlearn_lr=1e-2)
+                                       unlearn_lr=1e-2, lr=0.05)  # the official 0.1 is for CIFAR-scale nets
         return defense.apply(backdoor.ctx())
 
     kept, unlearned = run(0), run(10)  # same seed: identical until the unlearning phase
@@ -459,3 +562,42 @@ def test_abl_unlearning_raises_the_loss_of_the_backdoored_samples(backdoor):
     loss_kept = per_sample_loss(kept.model, poisoned, torch.device("cpu")).mean()
     loss_unlearned = per_sample_loss(unlearned.model, poisoned, torch.device("cpu")).mean()
     assert loss_unlearned > 5 * loss_kept
+    assert unlearned.extras["unlearn_lr_per_epoch"] == pytest.approx([1e-2] * 10)  # constant, no cosine
+
+
+@pytest.mark.parametrize("make, budgets", [
+    (AntiBackdoorLearning, {"official": dict(isolation_epochs=10, finetune_epochs=60, unlearn_epochs=5),
+                            "cpu": dict(isolation_epochs=5, finetune_epochs=None, unlearn_epochs=5)}),
+    (NeuralCleanse, {"official": dict(epochs=1000, unlearn_epochs=1), "cpu": dict(epochs=50, unlearn_epochs=10)}),
+    (FinePruning, {"official": dict(epochs=100), "cpu": dict(epochs=10)}),
+    (FineTuning, {"official": dict(epochs=100), "cpu": dict(epochs=10)}),
+], ids=["abl", "neural_cleanse", "fine_pruning", "fine_tuning"])
+def test_budgets_default_to_the_official_ones_and_the_cpu_preset_is_recorded(make, budgets):
+    for budget, expected in budgets.items():
+        defense = make() if budget == "official" else make(budget=budget)
+        described = defense.describe()
+        assert described["budget"] == budget
+        assert {key: described[key] for key in expected} == expected
+    explicit = make(budget="cpu", **{next(iter(budgets["cpu"])): 3})  # an explicit value wins over the preset
+    assert explicit.describe()[next(iter(budgets["cpu"]))] == 3
+    with pytest.raises(ConfigError, match="defense.budget='gpu' is unknown for .*; choose one of: official, cpu"):
+        make(budget="gpu")
+
+
+def test_abl_phases_follow_the_official_recipe(backdoor):
+    seen = []
+    original = Trainer.fit
+
+    def spy(self, model, split, **kwargs):
+        seen.append((kwargs["desc"], self.augment, self.batch_size, self.optimizer.keywords, kwargs["lr"]))
+        return original(self, model, split, **kwargs)
+
+    Trainer.fit = spy
+    try:
+        AntiBackdoorLearning(budget="cpu", isolation_epochs=1, finetune_epochs=1, unlearn_epochs=1).apply(backdoor.ctx())
+    finally:
+        Trainer.fit = original
+    recipe = {"momentum": 0.9, "weight_decay": 1e-4, "nesterov": True, "lr": 0.01}
+    assert [(desc, augment, batch, lr) for desc, augment, batch, _, lr in seen] == [
+        ("abl isolation", False, 128, 0.1), ("abl train", True, 128, 0.1), ("abl unlearn", False, 128, 5e-4)]
+    assert all(keywords == recipe for *_, keywords, _ in seen)

@@ -1,8 +1,18 @@
-"""Figures from records and artifacts of real short runs; absent data -> one skip line with the command."""
+"""Figures from records and artifacts of real short runs; absent data -> one skip line with the command.
+Long figures split into pages with no blank band, row labels that don't collide, colour bars on the
+heat maps, a log poison-rate axis, legends off the curves, titles that name attack and setting."""
 
 import shutil
 
-from backdoorbench.figures import FIGURES, main, write_figures
+import numpy as np
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from PIL import Image
+
+from backdoorbench import figures
+from backdoorbench.errors import ConfigError
+from backdoorbench.figures import FIGURES, ROWS_PER_PAGE, Run, main, write_figures
+from backdoorbench.leaderboard import load_records_with_paths
 from backdoorbench.records import save_record
 from tests.test_records import make_record
 
@@ -20,7 +30,7 @@ def test_every_figure_is_drawn_from_real_runs(tiny_results, tmp_path):
     assert skipped == []
     assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6]
     for number, paths in written.items():
-        assert sorted(p.suffix for p in paths) == [".pdf", ".png"], number
+        assert sorted(p.suffix for p in paths) == [".pdf", ".png"], number  # one attack: one page
         png, pdf = sorted(paths, key=lambda p: p.suffix, reverse=True)
         assert png.parent == results / "figures" and png.name.startswith(f"mnist5k_{number}_")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
@@ -49,3 +59,137 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "runs").mkdir()
     assert main([f"results_dir={tmp_path}", "residual_scale=0"]) == 2
     assert "residual_scale=0.0 is invalid" in capsys.readouterr().err
+
+
+ATTACKS = ["badnets", "blended", "label_consistent", "input_aware", "wanet", "adaptive_blend", "lira", "wb"]
+
+
+def synthetic_runs(tmp_path, attacks=ATTACKS, modes=("all2one",)):
+    """Runs with artifacts in memory: a square trigger, GradCAM maps; seeded."""
+    g = np.random.default_rng(0)
+    runs = []
+    for k, (attack, mode) in enumerate((a, m) for a in attacks for m in modes):
+        clean = g.random((4, 1, 28, 28)).astype(np.float32)
+        poisoned = clean.copy()
+        poisoned[:, :, -4:, -4:] = 1.0
+        cams = {f"gradcam_{kind}": g.random((4, 28, 28)).astype(np.float32) for kind in ("clean", "poisoned")}
+        record = make_record(run_id=f"r{k:08d}", group_id=f"g{k}", defense={"name": "none"}, artifacts="a.npz",
+                             attack={"name": attack, "target_mode": mode, "target": 0, "poison_rate": 0.1,
+                                     "n_poisoned": 400, "poisoned_indices_sha256": "0" * 64})
+        runs.append(Run(record, tmp_path / f"{k}.json",
+                        {"examples_clean": clean, "examples_poisoned": poisoned, **cams}))
+    return runs
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every matplotlib figure saved, kept for inspection."""
+    kept = []
+    save = figures.save_figure
+
+    def keep(fig, out_dir, stem):
+        kept.append(fig)
+        return save(fig, out_dir, stem)
+    monkeypatch.setattr(figures, "save_figure", keep)
+    return kept
+
+
+def renderer_of(fig):
+    """The figure drawn again on an Agg canvas (saving it closed it), for its elements' positions."""
+    FigureCanvasAgg(fig).draw()
+    return fig.canvas.get_renderer()
+
+
+def longest_blank_band(png):
+    pixels = np.asarray(Image.open(png).convert("L"))
+    blank = (pixels > 250).all(axis=1)
+    longest = run = 0
+    for row_is_blank in blank:
+        run = run + 1 if row_is_blank else 0
+        longest = max(longest, run)
+    return longest
+
+
+@pytest.mark.parametrize("draw", [figures.trigger_gallery, figures.gradcam_heatmaps])
+def test_gallery_and_gradcam_are_pages_of_six_rows_with_colour_bars_and_clear_labels(tmp_path, drawn, draw,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(figures, "EXAMPLES_SHOWN", 1)  # the rows are the point here; one example keeps it fast
+    runs = synthetic_runs(tmp_path, ATTACKS[:7])  # 7 rows: 2 pages of 4 and 3
+    paths = draw(runs, tmp_path)
+    pngs = sorted(p for p in paths if p.suffix == ".png")
+    assert [p.name.rsplit("_", 1)[1] for p in pngs] == ["page1.png", "page2.png"]
+    rows = [[ax for ax in fig.axes if ax.get_ylabel() and ax.get_label() != "<colorbar>"] for fig in drawn]
+    assert [len(r) for r in rows] == [4, 3]
+    assert [len(page) for page in figures._pages(dict.fromkeys(range(24)))] == [6] * 4
+    assert [len(page) for page in figures._pages(dict.fromkeys(range(16)))] == [6, 5, 5]
+    assert ROWS_PER_PAGE == 6
+    for fig, png, labelled in zip(drawn, pngs, rows):
+        assert longest_blank_band(png) < 40  # no blank band under the title (it was 532 px)
+        assert "page" in fig._suptitle.get_text()
+        assert sum(ax.get_label() == "<colorbar>" for ax in fig.axes) == 1  # the residuals' / GradCAM's scale
+        renderer = renderer_of(fig)
+        labels = [ax.yaxis.label.get_window_extent(renderer) for ax in labelled]
+        images = [ax.get_window_extent(renderer) for ax in labelled]
+        for i, label in enumerate(labels):  # each row label beside its row, clear of the others and the images
+            assert label.y0 >= images[i].y0 - 1 and label.y1 <= images[i].y1 + 1
+            assert label.x1 <= images[i].x0
+            assert not any(label.overlaps(other) for other in labels[i + 1:])
+    assert "label_consistent\nall2one" in [ax.get_ylabel() for r in rows for ax in r]
+    # fewer rows later: the pages of the earlier drawing are removed, not left beside the new one
+    draw(runs[:3], tmp_path)
+    stems = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(stems) == 1 and "page" not in stems[0]
+
+
+def test_poison_rate_is_on_a_log_axis_with_no_empty_panel_and_a_legend_off_the_curves(tmp_path, drawn):
+    runs = []
+    for k, (attack, rate, asr) in enumerate([(a, r, min(1.0, 20 * r)) for a in ("badnets", "blended", "wanet", "sig")
+                                             for r in (0.005, 0.01, 0.1)]):
+        record = make_record(run_id=f"r{k}", group_id=f"g{k}", defense={"name": "none"},
+                             attack={"name": attack, "target_mode": "all2one", "target": 0, "poison_rate": rate,
+                                     "n_poisoned": 1, "poisoned_indices_sha256": "0" * 64},
+                             metrics={"attacked": {"clean_acc": 0.98, "asr": asr, "ra": 0.0}, "defended": None, "der": None},
+                             config={"seed": 0, "trainer": {"epochs": 10}, "attack": {"poison_rate": rate}})
+        runs.append(Run(record, tmp_path / f"{k}.json"))
+    figures.poison_rate_curves(runs, tmp_path)
+    (fig,) = drawn
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.lines]
+    assert len(panels) == 4 and all(ax.get_xscale() == "log" for ax in panels)
+    assert [t.get_text() for t in panels[0].get_xticklabels()] == ["0.5%", "1%", "10%"]
+    # 4 panels: 4 columns, no spare slot, the legend below them; never an empty panel, never a legend on one
+    assert all(ax.get_legend() is None for ax in panels) and len(fig.legends) == 1
+    assert [ax for ax in fig.axes if ax.get_visible() and not ax.lines and ax.get_legend() is None] == []
+    renderer = renderer_of(fig)
+    box = fig.legends[0].get_window_extent(renderer)
+    assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in panels)
+    assert panels[0].get_title() == "badnets all2one\n10 ep"
+
+
+@pytest.mark.parametrize("count, columns, spare", [(2, 2, 0), (4, 4, 0), (5, 3, 1), (6, 3, 0), (7, 4, 1), (8, 3, 1)])
+def test_panels_leave_at_most_the_legend_slot_free(count, columns, spare):
+    assert figures._panel_columns(count) == columns and -count % columns == spare
+
+
+def test_defense_panels_name_attack_and_setting_and_share_one_legend(tiny_results, tmp_path, drawn):
+    results = copy_runs(tiny_results, tmp_path)
+    runs = [Run(record, path) for record, path in load_records_with_paths(results)]
+    for draw in (figures.neural_cleanse_anomaly, figures.strip_histograms, figures.fine_pruning_curves):
+        assert draw(runs, tmp_path)
+    for fig, number in zip(drawn, (3, 4, 5)):
+        panels = [ax for ax in fig.axes if ax.get_visible() and (ax.lines or ax.patches)]
+        titles = [ax.get_title() for ax in panels]
+        assert titles == ["badnets all2one\npoison rate 10%, 0 ep, seed 0"], (number, titles)  # no run hash
+        assert all(ax.get_legend() is None for ax in panels) and len(fig.legends) == 1, number
+        renderer = renderer_of(fig)
+        assert not fig.legends[0].get_window_extent(renderer).overlaps(panels[0].get_window_extent(renderer))
+
+
+def test_attacks_chooses_the_rows(tiny_results, tmp_path, capsys):
+    results = copy_runs(tiny_results, tmp_path)
+    with pytest.raises(ConfigError, match="attacks=wanet: no record has attack wanet; the records have: badnets"):
+        write_figures(results, attacks=["wanet"])
+    assert not (results / "figures").exists()
+    assert main([f"results_dir={results}", "attacks=badnets"]) == 0
+    out = capsys.readouterr().out
+    assert "figure 1:" in out and "mnist5k_1_trigger_gallery_badnets.png" in out
+    assert not (results / "figures" / "mnist5k_1_trigger_gallery.png").exists()  # the subset has its own files

@@ -1,10 +1,13 @@
 """The catalogue of hostile or broken input. Each case is a real `python -m backdoorbench` call that
 must print exactly one line on stderr, `error: ...` naming the problem, exit with code 2, and
-write nothing: no record, no Hydra output folder, not even the results folder it was given.
+write nothing: no record, no Hydra output folder, no cache entry or lock file, not even the
+results folder it was given.
 
-Some cases fail in the preflight (before Hydra starts), others only once the run has started
-(a value the attack checks, a dataset file, the loss turning NaN): those must clean up what Hydra
-had already written for them.
+Every value that can be checked without data is refused by the preflight, before Hydra starts,
+before any data loads or any model trains (`test_refused_before_any_data_or_training` proves it
+with loaders and trainer that fail when called). Only what is in the data files (DATA_CASES) or
+in training itself (the loss turning NaN) is refused later; those runs clean up what Hydra had
+already written for them.
 """
 
 from __future__ import annotations
@@ -54,16 +57,24 @@ def mnist_label_out_of_range(tmp: Path) -> list[str]:
 # (id, setup -> extra CLI arguments, a fragment the error line must contain)
 CASES: list[tuple[str, Setup, str]] = [
     # unknown names: config keys, group options (ours and Hydra's own)
-    ("unknown key", fixed("trainer.epochz=3"), "Key 'epochz' not in 'TrainerSchema'"),
+    ("unknown key", fixed("trainer.epochz=3"), "trainer.epochz is not a setting of trainer default; did you mean trainer.epochs?"),
     ("added key the target does not take", fixed("+trainer.foo=1"),
      "trainer.foo is not a setting of backdoorbench.train.Trainer"),
     ("unknown attack", fixed("attack=nope"), "unknown attack 'nope'; choose one of: adaptive_blend, badnets, blended"),
     ("unknown optimizer", fixed("trainer/optimizer=nope"), "unknown trainer/optimizer 'nope'; choose one of: adam, sgd"),
     ("unknown value in a sweep", fixed("--multirun", "attack=badnets,nope"), "unknown attack 'nope'"),
     ("unknown launcher", fixed("--multirun", "hydra/launcher=nope"),
-     "unknown hydra/launcher 'nope'; choose one of: basic, joblib, submitit_local, submitit_slurm"),
+     "unknown hydra/launcher 'nope'; choose one of: basic, gpu_pack, joblib, submitit_local, submitit_slurm"),
     ("unknown target mode", fixed("attack.target_mode=some2some"),
      "attack.target_mode='some2some' is unknown; choose one of: all2one, all2all"),
+    # near misses: the line names what was probably meant
+    ("attack name in another case", fixed("attack=Badnets"), "unknown attack 'Badnets'; did you mean attack=badnets?"),
+    ("defense abbreviation", fixed("defense=nc"), "unknown defense 'nc'; did you mean defense=neural_cleanse?"),
+    ("key spelled without its underscore", fixed("attack.poisonrate=0.1"),
+     "attack.poisonrate is not a setting of attack badnets; did you mean attack.poison_rate?"),
+    ("timm model name as a model", fixed("model=resnet50"),
+     "unknown model 'resnet50'; resnet50 is a timm model: write model=timm model.name=resnet50, or choose one of:"),
+    ("group and option without =", fixed("attack", "badnets"), "'attack' needs a value: write attack=badnets"),
     # wrong types
     ("seed not an int", fixed("seed=abc"), "seed=abc"),
     ("flag not a bool", fixed("trainer.augment=maybe"), "Value 'maybe' is not a valid bool"),
@@ -76,6 +87,12 @@ CASES: list[tuple[str, Setup, str]] = [
     ("lira eps above 1", fixed("attack=lira", "attack.eps=2"), "attack.eps=2 is out of range; use a number in (0.0, 1.0]"),
     ("lira test eps", fixed("attack=lira", "attack.test_eps=1.5"), "attack.test_eps=1.5 is out of range"),
     ("wb eps negative", fixed("attack=wb", "attack.eps=-0.1"), "attack.eps=-0.1 is out of range"),
+    ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
+    # attack x dataset: known from the dataset's config (mnist5k: 400 training images per class)
+    ("clean-label rate above the target class share", fixed("attack=sig", "attack.poison_rate=0.2"),
+     "attack.poison_rate=0.2 asks for 800 poisoned samples but only 400 of 4000 are eligible"),
+    # names
+    ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
     ("pattern file missing", fixed("attack=blended", "attack.pattern=/no/such/file.png"),
      "pattern '/no/such/file.png' is neither"),
@@ -90,6 +107,10 @@ CASES: list[tuple[str, Setup, str]] = [
 
 # More values of the same kinds, refused by the same preflight code as a CLI case above: checked
 # in-process (a CLI call costs seconds, most of it importing torch), with the same one-line message.
+# Refused by the data itself (its files) or by training: the only cases allowed past the preflight.
+DATA_CASES = {"dataset of the wrong shape", "dataset labels out of range"}
+TRAINING_CASES = {"NaN loss"}
+
 PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["nosuchkey=1"], "Could not override 'nosuchkey'"),
     (["defense=nope"], "unknown defense 'nope'; choose one of: "),
@@ -100,6 +121,31 @@ PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["attack.poison_rate=1.5"], "attack.poison_rate=1.5 is out of range"),
     (["attack.target=-1"], "attack.target=-1 is out of range"),
     (["--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=two"], "hydra.launcher.n_jobs=two"),
+    (["eval.pgd.steps=0"], "eval.pgd.steps=0 is invalid; use an integer >= 1"),
+    (["eval.pgd.step_size=0"], "eval.pgd.step_size=0.0 is invalid"),
+    (["device=gpu"], "device='gpu' is not a device; use auto, cpu, cuda or cuda:N"),
+    (["dataset.test_per_class=500"], "dataset.test_per_class=500 is out of range; use an integer in [1, 499]"),
+    (["dataset=cifar10", "attack=label_consistent", "attack.poison_rate=0.15"],
+     "attack.poison_rate=0.15 asks for 7500 poisoned samples but only 5000 of 50000 are eligible"),
+    (["dataset=cifar10", "attack=wanet", "attack.k=33"], "attack.k=33 is out of range; use an integer in [2, 32]"),
+    (["dataset=tiny_imagenet", "attack.target=200"], "attack.target=200 is out of range; use an integer in [0, 199]"),
+    (["attack=input_aware", "attack.depth=3"], "attack.depth=3 does not fit 28x28 images"),
+    (["model=timm", "model.name=resnet18", "model.weights=/no/such/weights.pt"], "model.weights='/no/such/weights.pt' does not exist"),
+    (["trainer.batch_size=0"], "trainer.batch_size=0 is invalid"),
+    # near misses (the suggestion code's own cases are in tests/test_suggest.py)
+    (["defense=fp"], "unknown defense 'fp'; did you mean defense=fine_pruning? Or choose one of: abl, "),
+    (["defense=Neural-Cleanse"], "did you mean defense=neural_cleanse?"),
+    (["attack=iad"], "did you mean attack=input_aware?"),
+    (["--multirun", "attack=badnets,Blended"], "unknown attack 'Blended'; did you mean attack=blended?"),
+    (["model=vit_tiny_patch16_224"], "write model=timm model.name=vit_tiny_patch16_224, or choose one of: "),
+    (["trainer/optimizer=Adam"], "did you mean trainer/optimizer=adam?"),
+    (["defense=fine_tuning", "defense.epoch=2"], "defense.epoch is not a setting of defense fine_tuning; did you mean defense.epochs?"),
+    (["atack.poison_rate=0.1"], "atack.poison_rate is not a setting; did you mean attack.poison_rate?"),
+    (["seeds=1"], "seeds is not a setting; did you mean seed?"),
+    (["badnets"], "'badnets' needs its group: write attack=badnets"),
+    (["--multirun", "seed", "0,1"], "'seed' needs a value: write seed=0,1"),
+    (["dataset"], "'dataset' needs a value: write dataset=<cifar10|gtsrb|mnist|mnist5k|...>"),
+    (["hello"], "'hello' is not an override; write key=value, e.g. attack=badnets"),
 ]
 
 
@@ -124,16 +170,65 @@ def assert_refused(proc, fragment: str) -> str:
 
 
 @pytest.mark.parametrize("setup,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, setup, fragment):
+def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, setup, fragment, request):
     results = tmp_path / "results"  # does not exist yet: a refused run must not even create it
     proc = run_cli("trainer.epochs=0", "eval.stealth_images=0", *setup(tmp_path), f"results_dir={results}")
     assert_refused(proc, fragment)
     left = sorted(str(p.relative_to(results)) for p in results.rglob("*")) if results.exists() else []
-    # The one exception: a run that got as far as the victim cache leaves that victim's empty lock
-    # file (cache/victims/<key>.lock). Lock files stay by design: deleting one while another process
-    # waits on it would let a third process lock a new file and train the same victim in parallel.
-    locks = [p for p in left if p.startswith("cache/victims/") and p.endswith(".lock") and (results / p).stat().st_size == 0]
-    assert [p for p in left if p not in locks and p not in ("cache", "cache/victims")] == [], left
+    if request.node.callspec.id in TRAINING_CASES:
+        # The one exception: a run that got as far as training holds the victim cache's lock, and
+        # its empty lock file (cache/victims/<key>.lock) stays by design: deleting one while another
+        # process waits on it would let a third lock a new file and train the same victim in parallel.
+        left = [p for p in left if p not in ("cache", "cache/victims") and not (
+            p.startswith("cache/victims/") and p.endswith(".lock") and (results / p).stat().st_size == 0)]
+    assert left == [], left
+
+
+BEFORE_DATA = [c for c in CASES if c[0] not in DATA_CASES | TRAINING_CASES]
+
+
+@pytest.fixture
+def no_data_no_training(monkeypatch):
+    """Every dataset loader, the trainer and the attacks' preparation fail loudly when called."""
+    import importlib
+
+    from backdoorbench.attacks.base import Attack
+    from backdoorbench.datasets.spec import SPECS
+    from backdoorbench.train import Trainer
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("data loaded or a model trained before the input was checked")
+
+    for target in SPECS:
+        module, name = target.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), name, forbidden)
+    for cls, method in ((Trainer, "fit"), (Attack, "prepare"), (Attack, "poison_dataset")):
+        monkeypatch.setattr(cls, method, forbidden)
+
+
+@pytest.mark.parametrize("setup,fragment", [c[1:] for c in BEFORE_DATA], ids=[c[0] for c in BEFORE_DATA])
+def test_refused_before_any_data_or_training(tmp_path, setup, fragment, no_data_no_training, compose_cfg):
+    from backdoorbench.cli import preflight
+    from backdoorbench.errors import UserError
+    from backdoorbench.pipeline import run
+
+    results = tmp_path / "results"
+    args = ["trainer.epochs=0", "eval.stealth_images=0", *setup(tmp_path), f"results_dir={results}"]
+    with pytest.raises(UserError) as info:  # the command line's check, before Hydra starts
+        preflight(args)
+    assert fragment in str(info.value)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose_cfg(*[a for a in args if not a.startswith("-")])
+    except (HydraException, OmegaConfBaseException):
+        cfg = None  # Hydra itself refuses it: no run can start
+    if cfg is not None:  # a run handed such a config (e.g. by a launcher) refuses it first thing too
+        with pytest.raises(UserError) as info:
+            run(cfg)
+        assert fragment in str(info.value)
+    assert not results.exists()
 
 
 def test_results_dir_under_a_file_cannot_be_written(tmp_path):

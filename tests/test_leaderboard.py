@@ -1,15 +1,20 @@
 """The leaderboard is built from records only: tables per dataset, mean/std/n over seeds, the n < 3
-flag, setting labels, filters, the sortable HTML page, and broken records skipped with a warning."""
+flag, setting labels, filters, canonical rows apart from the sweeps, columns that carry nothing
+hidden, the HTML page (sorted per table in a real headless Chromium), and broken records skipped
+with a warning."""
 
 import csv
+import re
 import statistics
+import urllib.parse
 from html.parser import HTMLParser
 
 import pytest
 
 from backdoorbench.errors import ConfigError
-from backdoorbench.leaderboard import main, setting_labels, write_leaderboard
+from backdoorbench.leaderboard import main, rerun_command, setting_labels, write_leaderboard
 from backdoorbench.records import save_record
+from tests.chromium import Chromium, find_chromium
 from tests.test_records import make_record
 
 
@@ -25,7 +30,8 @@ def stealth(psnr, ssim, lpips=None):
 
 
 def save(runs, name, *, group, seed, dataset="mnist5k", model="mnist_cnn", attack="badnets", mode="all2one",
-         defense="none", attacked=(0.97, 1.0, 0.0), defended=None, der=None, detection=None, cfg=None, st=None):
+         defense="none", attacked=(0.97, 1.0, 0.0), defended=None, der=None, detection=None, cfg=None, st=None,
+         created="2026-12-01T00:00:00+00:00", overrides=None):
     ca, asr, ra = attacked
     metrics = {"attacked": {"clean_acc": ca, "asr": asr, "ra": ra},
                "defended": None if defended is None else dict(zip(("clean_acc", "asr", "ra"), defended)),
@@ -33,7 +39,8 @@ def save(runs, name, *, group, seed, dataset="mnist5k", model="mnist_cnn", attac
     record = make_record(run_id=name, group_id=group, seed=seed, dataset={"name": dataset}, model={"name": model},
                          attack={"name": attack, "target_mode": mode, "target": 0 if mode == "all2one" else None,
                                  "poison_rate": 0.1, "n_poisoned": 400, "poisoned_indices_sha256": "0" * 64},
-                         defense={"name": defense}, metrics=metrics, stealth=st, config=cfg or config())
+                         defense={"name": defense}, metrics=metrics, stealth=st, config=cfg or config(),
+                         created_at=created, overrides=overrides or [f"attack={attack}", f"seed={seed}"])
     save_record(record, runs / dataset / f"{attack}_{mode}" / f"{name}.json")
 
 
@@ -94,7 +101,9 @@ def test_attack_and_defense_tables_are_means_over_seeds(tmp_path):
     assert "| 96.00 ± 1.00 |" in lines["ga"] and "†" not in lines["ga"]  # n = 3: no flag
     assert "| 22.00 ± 1.00 |" in lines["ga"]
     assert "†" in lines["ge"] and "| epochs=1 | 2 |" in lines["ge"]  # n = 2: flagged
-    assert "| strip | mnist_cnn | badnets | all2one(0) | 10 ep | – | 1 |" in lines["gs"] and "0.970 †" in lines["gs"]
+    # model, mode, training and setting are the same in every defense row: stated once, not per row
+    assert "| strip | badnets | 1 |" in lines["gs"] and "0.970 †" in lines["gs"]
+    assert "In every row: model mnist_cnn, mode all2one(0), training 10 ep, setting –." in text
     assert "† fewer than 3 seeds" in text
 
 
@@ -215,3 +224,177 @@ def test_ca_vs_clean_compares_with_the_control_trained_the_same_way(tmp_path):
     save(runs, "a1", group="ga", seed=1, attacked=(0.97, 1.0, 0.0))  # two seeds: mean ± std, the std unsigned
     write_leaderboard(tmp_path)
     assert "-1.00 ± 2.00 †" in (tmp_path / "leaderboard" / "leaderboard.md").read_text()
+
+
+def test_a_defense_whose_threat_model_excludes_the_attack_is_n_a_not_a_success(tmp_path):
+    runs = tmp_path / "runs"
+    reason = "wanet controls the victim's training ...; abl works on the stored training split only"
+    for seed in (0, 1, 2):
+        record_defense = {"name": "abl", "applicable": False, "not_applicable": reason}
+        metrics = {"attacked": {"clean_acc": 0.95, "asr": 0.9, "ra": 0.05}, "defended": None, "der": None,
+                   "detection": None}
+        record = make_record(run_id=f"n{seed}", group_id="gn", seed=seed, dataset={"name": "mnist5k"},
+                             model={"name": "mnist_cnn"},
+                             attack={"name": "wanet", "target_mode": "all2one", "target": 0, "poison_rate": 0.1,
+                                     "n_poisoned": 0, "poisoned_indices_sha256": "0" * 64},
+                             defense=record_defense, metrics=metrics, stealth=None,
+                             config=config(attack="wanet", defense={"_target_": "backdoorbench.defenses.abl.X"}))
+        save_record(record, runs / "mnist5k" / "wanet_all2one" / f"n{seed}.json")
+    files = write_leaderboard(tmp_path)
+    row = next(r for r in read_csv(files.csv["defenses"]) if r["group_id"] == "gn")
+    assert row["der_mean"] == row["asr_after_mean"] == row["ca_after_mean"] == "n/a"
+    line = next(line for line in files.markdown.read_text().splitlines() if "`gn" in line)
+    assert line.count("| n/a ") == 4 and "–" not in line.split("| 3 |")[1]
+    assert "n/a where the defense's threat model excludes the attack" in files.markdown.read_text()
+    assert ">n/a<" in files.html.read_text()
+
+
+def test_a_cut_defense_budget_is_named_in_the_setting_column(tmp_path):
+    runs = tmp_path / "runs"
+    defense = {"_target_": "backdoorbench.defenses.fine_tuning.FineTuning", "budget": "cpu", "epochs": None}
+    save(runs, "b0", group="gb", seed=0, defense="fine_tuning", defended=(0.95, 0.1, 0.8), der=0.9,
+         cfg=config(defense=defense))
+    files = write_leaderboard(tmp_path)
+    row = next(r for r in read_csv(files.csv["defenses"]) if r["group_id"] == "gb")
+    assert row["setting"] == "budget=cpu"  # the only row: nothing else differs, the cut is still named
+
+
+def test_canonical_rows_are_one_per_attack_and_mode_the_rest_are_sweeps(tmp_path):
+    write_runs(tmp_path)
+    runs = tmp_path / "runs"
+    # a later 3-seed setting of the same attack and mode supersedes the earlier one (a protocol rerun)
+    for seed in (0, 1, 2):
+        save(runs, f"l{seed}", group="gl", seed=seed, cfg=config(epochs=20), created="2026-12-02T00:00:00+00:00")
+    # a clean control is canonical when a canonical row is compared with it (same trainer)
+    save(runs, "n0", group="gn", seed=0, attack="none", attacked=(0.98, 0.0, 0.98), cfg=config(attack="none", epochs=20))
+    save(runs, "m0", group="gm", seed=0, attack="none", attacked=(0.98, 0.0, 0.98), cfg=config(attack="none", epochs=1))
+    files = write_leaderboard(tmp_path)
+    attacks = {r["group_id"]: r["canonical"] for r in read_csv(files.csv["attacks"])}
+    assert attacks == {"gl": "true", "ga": "false", "ge": "false", "gw": "true", "gc": "true", "gn": "true", "gm": "false"}
+    assert {r["canonical"] for r in read_csv(files.csv["defenses"])} == {"true"}  # one setting per defense x attack
+    text = files.markdown.read_text()
+    mnist = text[text.index("## mnist5k"):]
+    canonical, other = mnist.index("#### Canonical (3 rows)"), mnist.index("#### Other settings: sweeps and earlier protocols (3 rows)")
+    assert canonical < mnist.index("`gl`") < mnist.index("`gn`") < other < mnist.index("`ga`")
+    assert "#### Canonical (2 rows)" in mnist  # the defenses
+    page = files.html.read_text()
+    assert page.count('<tr class="canonical">') == 6 and page.count('<tr class="other">') == 3
+
+
+def test_columns_that_carry_nothing_are_hidden_and_zero_spreads_not_printed(tmp_path):
+    runs = tmp_path / "runs"
+    for seed in (0, 1, 2):  # a fixed trigger: the same stealth for every seed; LPIPS absent everywhere
+        save(runs, f"a{seed}", group="ga", seed=seed, attacked=(0.96 + seed / 100, 1.0, 0.0), st=stealth(21.0, 0.9))
+    save(runs, "e0", group="ge", seed=0, attacked=(0.9, 0.5, 0.4), cfg=config(epochs=1), st=stealth(21.0, 0.9))
+    files = write_leaderboard(tmp_path)
+    text = files.markdown.read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| attack"))
+    assert header == "| attack | training | setting | n | CA % | ASR % | RA % | PSNR dB | SSIM | config |"
+    assert "In every row: model mnist_cnn, mode all2one(0). Not shown, no row has a value: LPIPS, ΔCA vs clean." in text
+    row = next(line for line in text.splitlines() if "`ga`" in line)
+    assert row.endswith("| 3 | 97.00 ± 1.00 | 100.00 | 0.00 | 21.00 | 0.9000 | `ga` |")  # no "± 0.00"
+    assert "± 0.0" not in text and "± 0.0" not in files.html.read_text()
+    parser = TableParser()
+    parser.feed(files.html.read_text())
+    assert parser.tables[0]["header"][:3] == ["attack", "training", "setting"] and "LPIPS" not in parser.tables[0]["header"]
+    assert read_csv(files.csv["attacks"])[0]["lpips_n"] == "0"  # the CSV keeps every column
+
+
+def test_each_row_links_its_records_and_the_command_that_reruns_it(tmp_path):
+    write_runs(tmp_path)
+    page = write_leaderboard(tmp_path).html.read_text()
+    links = re.findall(r'href="\.\./([^"]+)"', page)
+    assert len(links) == 11 and all((tmp_path / urllib.parse.unquote(link)).is_file() for link in links)
+    assert "python -m backdoorbench --multirun attack=badnets seed=0,1,2" in page and "README.md" not in page
+    (tmp_path / "README.md").write_text("the commands")
+    assert 'href="../README.md"' in write_leaderboard(tmp_path).html.read_text()
+    overrides = ["attack=wanet", "trainer.epochs=30", "seed=2", "results_dir=/x", "trainer.progress=False", "++cache=false"]
+    records = [make_record(seed=seed, overrides=overrides) for seed in (2, 0)]
+    assert rerun_command(records) == "python -m backdoorbench --multirun attack=wanet trainer.epochs=30 seed=0,2"
+    assert rerun_command(records[:1]) == "python -m backdoorbench attack=wanet trainer.epochs=30 seed=2"
+
+
+BROWSER = find_chromium()
+PAGE_STATE = """(function () { return Array.prototype.map.call(document.querySelectorAll("table.sortable"), function (table) {
+  return {headers: Array.prototype.map.call(table.tHead.rows[0].cells, function (th) {
+            return {text: th.textContent, type: th.getAttribute("data-type")}; }),
+          rows: Array.prototype.map.call(table.tBodies[0].rows, function (tr) {
+            return Array.prototype.map.call(tr.cells, function (td) { return td.getAttribute("data-sort"); }); }),
+          shown: Array.prototype.map.call(table.tBodies[0].rows, function (tr) {
+            return tr.offsetParent === null ? "" : tr.className; }).filter(Boolean)};
+}); })()"""
+
+
+def center_of(browser, selector, index=0):
+    """Scroll the element into view (the page and its table's box) and return its centre in the viewport."""
+    return browser.evaluate(f"""(function () {{
+      var e = document.querySelectorAll({selector!r})[{index}];
+      e.scrollIntoView({{block: "center", inline: "center"}});
+      var r = e.getBoundingClientRect(); return [r.left + r.width / 2, r.top + r.height / 2]; }})()""")
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium on PATH (chromium, chromium-browser or google-chrome); "
+                                             ".ci/run installs Debian's chromium")
+def test_every_numeric_header_of_every_table_sorts_in_a_real_browser(tmp_path):
+    write_runs(tmp_path)
+    runs = tmp_path / "runs"
+    # group ids that parseFloat reads as numbers (0, 1e10, 9): the config column must sort them as text
+    for group, rate in (("1e10aaaa", 0.01), ("9f00aaaa", 0.02), ("0d21aaaa", 0.05), ("5aaaaaaa", 0.2)):
+        save(runs, group, group=group, seed=0, attacked=(0.9 - rate, 4 * rate, 0.1), cfg=config(rate=rate))
+    page = write_leaderboard(tmp_path).html
+    with Chromium(BROWSER, width=700, height=300) as browser:
+        browser.open(page)
+        tables = browser.evaluate(PAGE_STATE)
+        assert [len(t["rows"]) for t in tables] == [1, 7, 2]  # cifar10 attacks, mnist5k attacks, defenses
+        clicks = 0
+        for t, table in enumerate(tables):
+            whole_rows = sorted(map(tuple, table["rows"]))
+            for c, header in enumerate(table["headers"]):
+                if header["type"] != "number":
+                    continue
+                for ascending in (True, False):
+                    browser.click(*center_of(browser, "table.sortable th", sum(len(x["headers"]) for x in tables[:t]) + c))
+                    rows = browser.evaluate(PAGE_STATE)[t]["rows"]
+                    assert sorted(map(tuple, rows)) == whole_rows  # rows move whole
+                    keys = [row[c] for row in rows]
+                    present = [float(k) for k in keys if k != ""]
+                    assert present == sorted(present, reverse=not ascending), (t, header["text"], keys)
+                    assert keys[len(present):] == [""] * (len(keys) - len(present))  # missing values last, both ways
+                    clicks += 1
+        assert clicks == 2 * sum(h["type"] == "number" for t in tables for h in t["headers"]) >= 2 * 12
+        attacks = tables[1]
+        hashes = [h["text"] for h in attacks["headers"]].index("config")
+        browser.click(*center_of(browser, "table.sortable th", len(tables[0]["headers"]) + hashes))
+        keys = [row[hashes] for row in browser.evaluate(PAGE_STATE)[1]["rows"]]
+        assert keys == sorted(keys) and keys[:4] == ["0d21aaaa", "1e10aaaa", "5aaaaaaa", "9f00aaaa"]
+        assert browser.errors == []
+
+        # the canonical rows by default; the sweeps on their own one click away
+        assert browser.evaluate(PAGE_STATE)[1]["shown"] == ["canonical"] * 2
+        browser.click(*center_of(browser, "input[value=other]"))
+        assert browser.evaluate(PAGE_STATE)[1]["shown"] == ["other"] * 5
+        browser.click(*center_of(browser, "input[value=all]"))
+        assert len(browser.evaluate(PAGE_STATE)[1]["shown"]) == 7
+
+        # too wide for 700 px: the table's box scrolls, not the page; its header stays in sight
+        box = "document.querySelectorAll('.scroll')[1]"
+        assert browser.evaluate("document.documentElement.scrollWidth") <= 700
+        assert browser.evaluate(f"{box}.scrollWidth > {box}.clientWidth && {box}.scrollHeight > {box}.clientHeight")
+        top = browser.evaluate(f"{box}.scrollTop = 1e6, {box}.scrollTop")
+        gap = browser.evaluate(f"{box}.querySelector('th').getBoundingClientRect().top - {box}.getBoundingClientRect().top")
+        assert top > 0 and 0 <= gap <= 2
+        assert browser.errors == []
+
+
+def test_an_old_record_of_an_excluded_pair_is_n_a_too(tmp_path):
+    # Records made before the pipeline asked the defense carry no `applicable`: the leaderboard
+    # judges them from the classes their config names, so ABL vs WaNet is n/a, ABL vs BadNets is not.
+    runs = tmp_path / "runs"
+    for attack, cls in (("wanet", "WaNet"), ("badnets", "BadNets")):
+        cfg = config(attack=attack, defense={"_target_": "backdoorbench.defenses.abl.AntiBackdoorLearning"})
+        cfg["attack"]["_target_"] = f"backdoorbench.attacks.{attack}.{cls}"
+        save(runs, f"o{attack}", group=f"g{attack}", seed=0, attack=attack, defense="abl",
+             defended=(0.95, 0.1, 0.8), der=0.95, cfg=cfg)
+    rows = {r["group_id"]: r for r in read_csv(write_leaderboard(tmp_path).csv["defenses"])}
+    assert rows["gwanet"]["der_mean"] == "n/a" and rows["gwanet"]["asr_after_mean"] == "n/a"
+    assert float(rows["gbadnets"]["der_mean"]) == 0.95

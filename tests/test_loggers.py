@@ -143,7 +143,11 @@ def test_wandb_logger_offline_run_holds_config_history_images_summary(tmp_path: 
     for row in ROWS:
         logger.log_epoch(row)
     logger.log_images("trigger", torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)))
-    record = {"run_id": "abc123", "metrics": {"attacked": {"clean_acc": 0.98, "asr": 0.97, "ra": 0.02}},
+    record = {"run_id": "abc123",
+              "metrics": {"attacked": {"clean_acc": 0.98, "asr": 0.97, "ra": 0.02},
+                          "defended": {"clean_acc": 0.96, "asr": 0.05, "ra": 0.9}, "der": 0.95, "detection": None},
+              "defense": {"name": "neural_cleanse", "extras": {"anomaly_index_of_smallest": 3.5, "flagged": [0],
+                                                               "unlearned": 1}},
               "stealth": {"psnr": {"mean": 30.5, "std": 1.25}, "lpips": None}, "config": config}
     logger.log_summary(record)
     folder = logger.finish(tmp_path / "results" / "runs" / "abc123.json")
@@ -151,7 +155,10 @@ def test_wandb_logger_offline_run_holds_config_history_images_summary(tmp_path: 
     # the service stops, as at process exit.
     wandb.teardown()
 
-    assert folder.parent == tmp_path / "results" / "wandb" / "wandb" and folder.name.startswith("offline-run-")
+    # <results_dir>/wandb/offline-run-*, the folder the README names, with the per-epoch CSV beside the record
+    assert folder.parent == tmp_path / "results" / "wandb" and folder.name.startswith("offline-run-")
+    epochs_csv = (tmp_path / "results" / "runs" / "abc123.epochs.csv").read_text().splitlines()
+    assert epochs_csv[0] == "stage,epoch,loss,train_acc,lr,time_s,pruned" and len(epochs_csv) == 1 + len(ROWS)
     (run_file,) = folder.glob("run-*.wandb")
     records = read_wandb_records(run_file)
     kinds = [r.WhichOneof("record_type") for r in records]
@@ -179,7 +186,28 @@ def test_wandb_logger_offline_run_holds_config_history_images_summary(tmp_path: 
             summary.update(_items(r.summary.update))
     assert summary["metrics"] == record["metrics"] and summary["stealth"] == record["stealth"]
     assert summary["record_path"].endswith("abc123.json") and "config" not in summary
+    # the headline numbers also as flat keys: the run table's columns
+    assert (summary["test/clean_acc"], summary["test/asr"], summary["test/ra"]) == (0.98, 0.97, 0.02)
+    assert (summary["test/defended_clean_acc"], summary["test/defended_asr"], summary["test/der"]) == (0.96, 0.05, 0.95)
+    assert summary["defense/anomaly_index_of_smallest"] == 3.5 and summary["defense/unlearned"] == 1
+    assert "defense/flagged" not in summary and not any(key.startswith("detection/") for key in summary)
 
     png = folder / "files" / images["images/trigger/path"]
     with Image.open(png) as grid:  # 4 gray 8x8 images in one row, 2 px borders, as RGB
         assert grid.size == (4 * 10 + 2, 12) and grid.mode == "RGB"
+
+
+def test_summary_numbers_flatten_the_headline_metrics_only() -> None:
+    from backdoorbench.loggers import summary_numbers
+
+    record = {"metrics": {"attacked": {"clean_acc": 0.9, "asr": 0.8, "ra": 0.1, "pgd_acc": 0.2},
+                          "defended": None, "der": None,
+                          "detection": {"tpr": 0.75, "fpr": 0.125, "auroc": 0.9, "threshold_note": "text"}},
+              "defense": {"name": "strip", "extras": {"entropy_threshold_bits": 1.5, "calibration_frr": 0.01,
+                                                      "per_class": [1.0, 2.0], "flag": True}}}
+    assert summary_numbers(record) == {
+        "test/clean_acc": 0.9, "test/asr": 0.8, "test/ra": 0.1, "test/pgd_acc": 0.2,
+        "detection/tpr": 0.75, "detection/fpr": 0.125, "detection/auroc": 0.9,
+        "defense/entropy_threshold_bits": 1.5, "defense/calibration_frr": 0.01,
+    }
+    assert summary_numbers({"metrics": {}, "defense": {"name": "none"}}) == {}

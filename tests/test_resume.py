@@ -5,6 +5,7 @@ never leaves a record, whole or partial."""
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import signal
 import subprocess
@@ -90,6 +91,68 @@ def test_sigkill_mid_training_then_rerun_resumes_to_the_same_metrics(tmp_path):
     print(f"\nresume: {EPOCHS} epochs, killed after epoch {epoch}, metrics equal: {record.metrics['attacked']}")
 
 
+# Training-controlled attacks: their generator, its optimizer and their per-batch stream are in each
+# epoch checkpoint, and what `prepare` computed (Input-aware's mask) in its own file. Each case is
+# killed once the named checkpoint file exists: LIRA in stage I, WB in stage II (stage I done),
+# Input-aware after its mask pre-training and one victim epoch, WaNet after one victim epoch.
+ATTACK_SETTING = ("trainer.epochs=2", "dataset.test_per_class=450", "eval.stealth_images=0", "trainer.progress=false")
+ATTACK_CASES = {
+    "wanet": (["attack=wanet"], "victim.pt"),
+    "input_aware": (["attack=input_aware", "attack.mask_epochs=1", "attack.channels=4", "attack.depth=1"], "victim.pt"),
+    "lira": (["attack=lira", "attack.stage1_epochs=2", "attack.generator_width=4"], "victim.stage1.pt"),
+    "wb": (["attack=wb", "attack.stage1_epochs=1", "attack.generator_width=4"], "victim.pt"),
+}
+
+
+def kill_once_written(args: list[str], results_dir: Path, name: str, timeout: float = 300) -> str:
+    """Run `python -m backdoorbench args`, SIGKILL it as soon as a checkpoint file `name` exists;
+    return what it printed."""
+    log = results_dir.parent / f"{results_dir.name}.killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "backdoorbench", *args, f"results_dir={results_dir}"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        try:
+            while not list((results_dir / "checkpoints").glob(f"**/{name}")):
+                assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {name}:\n{log.read_text()}"
+                assert time.monotonic() < deadline, f"no {name} within the timeout"
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return log.read_text()
+
+
+@pytest.mark.parametrize("attack", ATTACK_CASES)
+def test_training_controlled_attack_resumes_exactly_after_sigkill(tmp_path, attack, compose_cfg, monkeypatch, caplog):
+    from backdoorbench.pipeline import run
+
+    extra, killed_at = ATTACK_CASES[attack]
+    args = [*ATTACK_SETTING, *extra]
+    # Only the killed run is a separate process (a CLI start costs seconds): the uninterrupted run
+    # and the resumed one run here. The subprocess gets this process's thread count, since CPU sums
+    # may round differently with another.
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    reference, straight_path = run(compose_cfg(*args, f"results_dir={tmp_path / 'straight'}"))
+
+    killed = tmp_path / "killed"
+    kill_once_written(args, killed, killed_at)
+    assert files_under(killed / "runs") == []
+    caplog.set_level(logging.INFO)
+    record, path = run(compose_cfg(*args, f"results_dir={killed}"))
+    assert "resumed from" in caplog.text, caplog.text[-3000:]
+    if attack == "input_aware":  # the mask pre-training is restored, not run again
+        assert "input_aware: preparation restored from" in caplog.text and "mask epoch" not in caplog.text
+    assert record.run_id == reference.run_id
+    assert record.metrics == reference.metrics  # exactly, the backdoor (ASR) included
+    # every epoch of every stage (mask pre-training, LIRA's two stages) with the same numbers
+    assert epoch_rows(path) == epoch_rows(straight_path)
+    assert list((killed / "checkpoints").rglob("*.pt")) == []
+
+
 def test_a_defense_failing_after_training_leaves_no_record(tmp_path):
     # A real failure after the victim trained: fine-tuning at a huge learning rate turns NaN (in
     # its 2nd epoch: the 1st has two batches, and the first update only shows in the second).
@@ -116,3 +179,21 @@ def test_an_unexpected_crash_after_training_leaves_no_record(tmp_path, compose_c
         run(cfg)
     assert files_under(tmp_path / "runs") == []  # no record, and no epochs.csv: the logger writes
     # only beside a finished record
+
+
+def test_a_broken_or_foreign_prepare_checkpoint_is_one_line(tmp_path):
+    from backdoorbench.attacks.input_aware import InputAware
+    from backdoorbench.errors import DataError
+    from backdoorbench.pipeline import prepare_attack
+
+    attack = InputAware(num_classes=10, image_shape=(1, 28, 28), channels=4, depth=1)
+    path = tmp_path / "prepare.pt"
+    for content, message in ((b"not a zip", "cannot be read"), (None, "is not input_aware's saved preparation")):
+        if content is None:
+            torch.save({"format": "something else"}, path)
+        else:
+            path.write_bytes(content)
+        with pytest.raises(DataError, match=message) as info:
+            prepare_attack(attack, path, trainer=None, train=None, generator=torch.Generator(), build_model=None)
+        assert "\n" not in str(info.value) and "delete it" in str(info.value)
+    assert not attack.mask_ready  # nothing was restored from either file

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -64,9 +65,6 @@ class Attack:
 
     name: ClassVar[str] = "attack"
     clean_label: ClassVar[bool] = False  # clean-label attacks poison target-class samples, labels kept
-    # Whether a killed victim training resumes exactly from the trainer's epoch checkpoint; not for
-    # attacks whose trigger generator trains alongside the victim (its state is not checkpointed).
-    resumable: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -167,6 +165,15 @@ class Attack:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def prepare_state(self) -> dict[str, Any] | None:
+        """What `prepare` computed, saved so that a killed run does not compute it again (with
+        `history`: the epoch rows it logged); None (the default): nothing worth saving."""
+        return None
+
+    def load_prepare_state(self, state: dict[str, Any]) -> None:
+        """Restore what `prepare_state` returned, in place of running `prepare`."""
+        raise NotImplementedError
+
     def describe(self) -> dict:
         """The attack's identity for the record."""
         return {
@@ -183,13 +190,12 @@ class TrainingAttack(Attack):
     """Base of training-controlled attacks (WaNet, Input-aware, LIRA, WB): they leave the training
     set clean and poison a `poison_rate` fraction of every batch inside their own training step.
 
-    Subclasses implement `apply_trigger` and `training_step`; those with a trigger generator
-    override `prepare` (e.g. mask pre-training), `train_victim` (e.g. LIRA's two stages; it is
-    called again when a defense retrains a model the attacker's way) and `state_dict`/
-    `load_state_dict` (saved with the victim).
+    Subclasses implement `apply_trigger`, `training_step` and `training_state`/
+    `load_training_state` (what the step keeps between batches, saved in each epoch checkpoint);
+    those with a trigger generator override `prepare` (e.g. mask pre-training, with
+    `prepare_state`), `train_victim` (e.g. LIRA's two stages; it is called again when a defense
+    retrains a model the attacker's way) and `state_dict`/`load_state_dict` (saved with the victim).
     """
-
-    resumable = False
 
     def poison_indices(self, y: Tensor, generator: torch.Generator) -> Tensor:
         return torch.empty(0, dtype=torch.int64)
@@ -201,7 +207,21 @@ class TrainingAttack(Attack):
         raise NotImplementedError
 
     def train_victim(
-        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+        self,
+        trainer,
+        model: nn.Module,
+        train: Split,
+        generator: torch.Generator,
+        wrap_step: StepWrapper | None = None,
+        checkpoint: str | Path | None = None,
     ) -> None:
         step = wrap_step(self.training_step) if wrap_step is not None else self.training_step
-        trainer.fit(model, train, generator=generator, step=step, desc="victim")
+        trainer.fit(model, train, generator=generator, step=step, desc="victim", checkpoint=checkpoint, companion=self)
+
+    def training_state(self) -> dict[str, Any]:
+        """What the training step keeps outside the model (generator weights, its optimizer, the
+        per-batch random stream): saved in every epoch checkpoint, so a killed run resumes exactly."""
+        raise NotImplementedError
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError

@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from backdoorbench import checks, distributed
 from backdoorbench.attacks.base import StepWrapper, TrainingAttack
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +251,7 @@ class InputAware(TrainingAttack):
         images = train.images.to(device)
         batch = trainer.batch_size
         self.mask_history = []
-        for epoch in range(self.mask_epochs):
+        for epoch in track(range(self.mask_epochs), "input_aware: mask generator pre-training", unit="epochs"):
             lr = self.mask_lr * self.lr_gamma ** sum(epoch / self.mask_epochs >= m for m in self.mask_milestones)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -383,20 +385,64 @@ class InputAware(TrainingAttack):
         return F.cross_entropy(logits, labels) + self.lambda_div * div, logits, labels
 
     def train_victim(
-        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None,
+        checkpoint: str | Path | None = None,
     ) -> None:
         if not self.mask_ready:
             raise RuntimeError("InputAware.prepare() must pre-train the mask generator before train_victim()")
         self.batch_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
         self._start_joint_training(total_steps=trainer.epochs * math.ceil(len(train) / trainer.batch_size))
         self._nets_to(trainer.device)
-        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step)
+        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step, checkpoint=checkpoint)
         self._update_generator()  # the last batch's gradient
         distributed.broadcast_state(self.pattern_generator)  # under torchrun: rank 0's batch-norm statistics
         self.pattern_generator.eval()
         self._optimizer = None
 
     # ------------------------------------------------------------------ state
+
+    def training_state(self) -> dict[str, Any]:
+        # The last batch's gradient is still on the pattern generator (applied before the next
+        # batch's forward), so it is saved too; the mask generator is frozen by then.
+        params = list(self.pattern_generator.parameters())
+        return {
+            "pattern_generator": {k: v.detach().cpu().clone() for k, v in self.pattern_generator.state_dict().items()},
+            "grads": [None if p.grad is None else p.grad.detach().cpu().clone() for p in params],
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "pending_update": self._pending_update,
+            "steps_done": self._steps_done,
+            "total_steps": self._total_steps,
+            "batch_generator": self.batch_generator.get_state(),
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        self.pattern_generator.load_state_dict(state["pattern_generator"])
+        params = list(self.pattern_generator.parameters())
+        if len(state["grads"]) != len(params):
+            raise ValueError(f"{len(state['grads'])} generator gradients saved, the generator has {len(params)}")
+        for param, grad in zip(params, state["grads"]):
+            param.grad = None if grad is None else grad.to(param.device)
+        if state["optimizer"] is not None and self._optimizer is not None:
+            self._optimizer.load_state_dict(state["optimizer"])
+        self._pending_update = bool(state["pending_update"])
+        self._steps_done = int(state["steps_done"])
+        self._total_steps = int(state["total_steps"])
+        self.batch_generator.set_state(state["batch_generator"])
+
+    def prepare_state(self) -> dict[str, Any]:
+        """The pre-trained mask generator and its epoch rows (the logger shows them again)."""
+        return {"mask_generator": {k: v.detach().cpu().clone() for k, v in self.mask_generator.state_dict().items()},
+                "history": list(self.mask_history)}
+
+    def load_prepare_state(self, state: dict[str, Any]) -> None:
+        try:
+            self.mask_generator.load_state_dict(state["mask_generator"])
+        except (KeyError, RuntimeError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"input_aware's saved mask generator does not fit this attack's: {first}") from None
+        self.mask_history = list(state.get("history", []))
+        self.mask_generator.eval().requires_grad_(False)
+        self.mask_ready = True
 
     def state_dict(self) -> dict[str, Any]:
         def cpu(net: nn.Module) -> dict[str, Tensor]:

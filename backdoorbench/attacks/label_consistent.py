@@ -13,6 +13,7 @@ from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.attacks.clean_label import default_poison_rate
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 # The 3x3 +-1 pattern of the official code for a right-hand corner (rows top to bottom); the
 # left-hand corners get its mirror image, so the four-corner trigger survives horizontal flips.
@@ -201,7 +202,8 @@ class LabelConsistent(Attack):
         device = next(model.parameters()).device
         out = []
         try:
-            for start in range(0, len(x), self.batch_size):
+            for start in track(range(0, len(x), self.batch_size), f"label_consistent: PGD on {len(x)} images",
+                               unit="batches"):
                 xb = x[start : start + self.batch_size].to(device)
                 yb = y[start : start + self.batch_size].to(device)
                 noise = self._noise(xb) if self.random_start else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -235,18 +236,35 @@ class LIRA(TrainingAttack):
         self.trained = True
 
     def train_victim(
-        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None,
+        checkpoint: str | Path | None = None,
     ) -> None:
+        """Stage I (unless done), then stage II. With `checkpoint`, each stage has its own file
+        (stage I's beside it, `<name>.stage1.pt`): a run killed in stage II finds stage I's last
+        epoch there, restores the classifier, the trigger and the streams from it, and goes on."""
         wrap: StepWrapper = wrap_step or (lambda step: step)
+        stage1 = None if checkpoint is None else Path(checkpoint).with_suffix(".stage1.pt")
         if not self.trained:
             self.begin_stage1(trainer)
-            trainer.fit(model, train, generator=generator, epochs=self.stage1_epochs,
-                        step=wrap(self.stage1_step), desc=f"{self.name} stage I")
+            trainer.fit(model, train, generator=generator, epochs=self.stage1_epochs, step=wrap(self.stage1_step),
+                        desc=f"{self.name} stage I", checkpoint=stage1, companion=self)
             distributed.broadcast_state(self.trigger_net)  # under torchrun: rank 0's batch-norm statistics
             self.freeze()
         self.trigger_net.to(trainer.device)
         step: StepFn = wrap(self.stage2_step)
-        trainer.fit(model, train, generator=generator, lr=self.stage2_lr, step=step, desc=f"{self.name} stage II")
+        trainer.fit(model, train, generator=generator, lr=self.stage2_lr, step=step, desc=f"{self.name} stage II",
+                    checkpoint=checkpoint, companion=self)
+
+    def training_state(self) -> dict[str, Any]:
+        # Stage I moves the trigger generator (weights, batch-norm statistics, Adam); stage II
+        # keeps it frozen, and saving it there too costs little.
+        return {"trigger_net": {k: v.detach().cpu().clone() for k, v in self.trigger_net.state_dict().items()},
+                "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        self.trigger_net.load_state_dict(state["trigger_net"])
+        if state["optimizer"] is not None and self._optimizer is not None:
+            self._optimizer.load_state_dict(state["optimizer"])
 
     # ----- persistence -------------------------------------------------------------------------
 

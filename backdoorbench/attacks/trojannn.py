@@ -13,6 +13,7 @@ from backdoorbench.attacks.badnets import _patch_origin
 from backdoorbench.attacks.base import Attack
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 CONNECTIONS = ("incoming", "outgoing")
 
@@ -135,7 +136,7 @@ class TrojanNN(Attack):
         try:
             with torch.no_grad():
                 before = self.neuron_activation(model, patch, neurons)
-            for _ in range(self.trigger_steps):
+            for _ in track(range(self.trigger_steps), "trojannn: trigger optimization", unit="steps"):
                 patch.requires_grad_(True)
                 cost = ((self.neuron_activation(model, patch, neurons).float() - self.neuron_target) ** 2).sum()
                 (grad,) = torch.autograd.grad(cost, patch)

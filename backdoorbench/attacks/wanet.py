@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,12 +151,20 @@ class WaNet(TrainingAttack):
         return F.cross_entropy(logits, labels), logits, labels
 
     def train_victim(
-        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None
+        self, trainer, model: nn.Module, train: Split, generator: torch.Generator, wrap_step: StepWrapper | None = None,
+        checkpoint: str | Path | None = None,
     ) -> None:
         # Each (re)training draws its batch choices from the run's training stream, so a run is
         # reproducible and a defense's retraining gets its own, equally seeded, choices.
         self.batch_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
-        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step)
+        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step, checkpoint=checkpoint)
+
+    def training_state(self) -> dict[str, Any]:
+        # The warp is fixed; only the stream of per-batch choices moves during training.
+        return {"batch_generator": self.batch_generator.get_state()}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        self.batch_generator.set_state(state["batch_generator"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"flow": self.flow.clone(), "grid": self.grid.clone()}

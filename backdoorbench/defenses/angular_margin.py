@@ -80,6 +80,7 @@ class AngularMargin(Defense):
     Its purpose here: to measure whether a margin on the classifier's weights alone, with no
     knowledge of the trigger, changes a backdoor's success (the paper claims adversarial
     robustness only; it makes no backdoor claim).
+    Ledger: docs/fidelity.md#angular-margin.
     """
 
     name = "angular_margin"

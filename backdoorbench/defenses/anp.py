@@ -13,6 +13,7 @@ from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 from backdoorbench.train import augment_batch
 
 PRUNE_BY = ("threshold", "fraction")
@@ -69,10 +70,12 @@ class AdversarialNeuronPruning(Defense):
     `threshold` (or the lowest `prune_fraction`) have their BN scale set to zero, as the official
     code prunes. Defaults are the official ones: eps 0.4, one signed-gradient perturbation step
     of size eps, alpha 0.2, mask SGD lr 0.2 with momentum 0.9, 2,000 iterations of batch 128 drawn
-    with replacement and augmented, the model in training mode, threshold 0.2. Departures: the
+    with replacement and augmented, the model in training mode. Departures: one pruning threshold,
+    0.2 (the official code sweeps thresholds on test data, which a defense never sees); the
     perturbation is clipped to [-eps, eps] after its step, as the paper states (the official code
     lets one step leave the box); only BatchNorm2d neurons are perturbed (the architectures here
     have no BatchNorm1d). The optimization runs in float32 (no autocast).
+    Ledger: docs/fidelity.md#anp.
     """
 
     name = "anp"
@@ -154,7 +157,7 @@ class AdversarialNeuronPruning(Defense):
                 m.perturbed = on
 
         noisy.train()  # as the official code: batch statistics of the clean batch
-        for _ in range(self.iterations):
+        for _ in track(range(self.iterations), "anp: mask optimization", unit="iterations"):
             idx = torch.randint(len(clean), (self.batch_size,), generator=generator).to(device)
             x, y = to_float(images[idx]), labels[idx]
             if trainer.augment:

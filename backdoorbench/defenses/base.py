@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from backdoorbench import checks
+from backdoorbench.attacks.base import Attack, TrainingAttack
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError
 
@@ -54,6 +55,11 @@ class Defense:
     name: ClassVar[str] = "defense"
     stage: ClassVar[Stage]
     needs_clean_data: ClassVar[bool] = True
+    # False for a defense that works only on the stored training split (a pre-training detector,
+    # or ABL training its own model with the plain trainer): a training-controlled attack (WaNet,
+    # Input-aware, LIRA, WB) stores no poison there and poisons inside its own training step, so
+    # such a defense never meets it. Its threat model excludes the attack: see `not_applicable`.
+    meets_training_controlled_attacks: ClassVar[bool] = True
 
     def __init__(self, *, clean_fraction: float = 0.05) -> None:
         self.clean_fraction = checks.number("defense", "clean_fraction", clean_fraction, 0, 1, high_open=True,
@@ -63,8 +69,33 @@ class Defense:
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         raise NotImplementedError
 
+    def not_applicable(self, attack: Attack) -> str | None:
+        """Why this defense's threat model excludes `attack` (one sentence), or None when it applies.
+        The pipeline asks before the defense runs; an excluded pair is recorded as `applicable:
+        false` with this reason and no defended metrics, and the leaderboard shows it as n/a."""
+        if isinstance(attack, TrainingAttack) and not self.meets_training_controlled_attacks:
+            return (f"{attack.name} controls the victim's training and poisons inside its own training step, "
+                    f"leaving the stored training split clean; {self.name} ({self.stage.replace('_', '-')}) "
+                    "works on that split only, so it never meets the attack")
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stage": self.stage, "clean_fraction": self.clean_fraction}
+
+    # Budget presets of a defense whose official budget a CPU cannot afford: name -> the values of
+    # its budget parameters. "official" is the authors' (or BackdoorBench's) budget; "cpu" the cut
+    # the committed CPU tables use. A value given explicitly wins over the preset.
+    BUDGETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def resolve_budget(self, budget: str, **given: Any) -> dict[str, Any]:
+        """`given` with every None replaced by the `budget` preset's value (None there too means
+        the trainer's own, e.g. its epochs); sets `self.budget`."""
+        if budget not in self.BUDGETS:
+            raise ConfigError(f"defense.budget={budget!r} is unknown for {self.name}; choose one of: "
+                              f"{', '.join(self.BUDGETS)}")
+        self.budget = budget
+        preset = self.BUDGETS[budget]
+        return {key: preset[key] if value is None else value for key, value in given.items()}
 
     def test_artifacts(self, ctx: DefenseContext, result: DefenseResult,
                        measure: Callable[[nn.Module], dict[str, float]]) -> dict[str, np.ndarray | Tensor]:

@@ -13,6 +13,7 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 CURVE_POINTS = 11  # test-set pruning curve for the figure: 0%, 10%, ... of max_prune_ratio (and the chosen k)
 
@@ -160,22 +161,26 @@ class FinePruning(Defense):
     accuracy (default 4 points), and at most `max_prune_ratio` of the channels go. The whole
     curve of clean-subset accuracy vs pruned fraction up to that ratio is recorded (test data never
     enters the defense; `prune_last_stage` rebuilds any point of it for test-set curves).
-    Fine-tuning uses the trainer's optimizer at `lr` for `epochs`, as `fine_tuning` does.
+    Fine-tuning uses the trainer's optimizer at `lr` for `epochs`, as `fine_tuning` does; budgets:
+    `official` 100 epochs (BackdoorBench), `cpu` 10. Ledger: docs/fidelity.md#fine-pruning.
     """
 
     name = "fine_pruning"
     stage = "post_train"
+    BUDGETS = {"official": {"epochs": 100}, "cpu": {"epochs": 10}}
 
     def __init__(
         self,
         *,
         max_acc_drop: float = 0.04,
         max_prune_ratio: float = 0.9,
-        epochs: int = 10,
+        budget: str = "official",
+        epochs: int | None = None,
         lr: float = 0.01,
         clean_fraction: float = 0.05,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
+        epochs = self.resolve_budget(budget, epochs=epochs)["epochs"]
         checks.number("defense", "max_acc_drop", max_acc_drop, 0, 1)
         checks.number("defense", "max_prune_ratio", max_prune_ratio, 0, 1, low_open=True, high_open=True)
         checks.integer("defense", "epochs", epochs, 0)
@@ -199,7 +204,8 @@ class FinePruning(Defense):
         base_acc = subset_accuracy(trainer, model, clean)
         curve = [[0.0, base_acc]]
         n_pruned, stopped = 0, False
-        for k in range(1, math.floor(self.max_prune_ratio * channels) + 1):
+        for k in track(range(1, math.floor(self.max_prune_ratio * channels) + 1), "fine_pruning: pruning channels",
+                       unit="channels"):
             mask[order[k - 1]] = 0.0
             acc = subset_accuracy(trainer, model, clean)
             curve.append([k / channels, acc])
@@ -255,4 +261,4 @@ class FinePruning(Defense):
 
     def describe(self) -> dict:
         return {**super().describe(), "max_acc_drop": self.max_acc_drop, "max_prune_ratio": self.max_prune_ratio,
-                "epochs": self.epochs, "lr": self.lr}
+                "budget": self.budget, "epochs": self.epochs, "lr": self.lr}

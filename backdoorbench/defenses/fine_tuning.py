@@ -15,14 +15,19 @@ class FineTuning(Defense):
     The attacked model is trained further on the small clean subset the defender holds, hoping
     that the backdoor is forgotten while clean accuracy is kept. Departures: the paper fine-tunes
     with the original training schedule's final learning rate; we use the trainer's optimizer
-    with `lr` (default 0.01) for `epochs` epochs under the same schedule and augmentation.
+    with `lr` (default 0.01) for `epochs` epochs under the same schedule and augmentation, as
+    BackdoorBench (SGD, cosine, lr 0.01, 100 epochs). Budgets: `official` 100 epochs, `cpu` 10.
+    Ledger: docs/fidelity.md#fine-tuning.
     """
 
     name = "fine_tuning"
     stage = "post_train"
+    BUDGETS = {"official": {"epochs": 100}, "cpu": {"epochs": 10}}
 
-    def __init__(self, *, epochs: int = 10, lr: float = 0.01, clean_fraction: float = 0.05) -> None:
+    def __init__(self, *, budget: str = "official", epochs: int | None = None, lr: float = 0.01,
+                 clean_fraction: float = 0.05) -> None:
         super().__init__(clean_fraction=clean_fraction)
+        epochs = self.resolve_budget(budget, epochs=epochs)["epochs"]
         checks.integer("defense", "epochs", epochs, 1)
         checks.number("defense", "lr", lr, 0, low_open=True)
         self.epochs = epochs
@@ -36,4 +41,4 @@ class FineTuning(Defense):
         return DefenseResult(model=model, extras={"final_loss": history[-1]["loss"]})
 
     def describe(self) -> dict:
-        return {**super().describe(), "epochs": self.epochs, "lr": self.lr}
+        return {**super().describe(), "budget": self.budget, "epochs": self.epochs, "lr": self.lr}

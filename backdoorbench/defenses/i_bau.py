@@ -13,6 +13,7 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
+from backdoorbench.progress import track
 
 
 def implicit_hypergradient(
@@ -72,6 +73,7 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
     to norms in the thousands on MNIST. (3) At least one image per batch carries delta (1% of a
     batch under 100 is none). (4) The official inner map always uses the first clean batch, ours
     the current batch. Everything runs in float32.
+    Ledger: docs/fidelity.md#i-bau.
     """
 
     name = "i_bau"
@@ -144,7 +146,7 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
         batches = [(images[s : s + self.batch_size], labels[s : s + self.batch_size])
                    for s in range(0, len(clean), self.batch_size)]
         outer_losses, delta_norms = [], []
-        for _ in range(self.rounds):
+        for _ in track(range(self.rounds), "i_bau: unlearning", unit="rounds"):
             delta = self.universal_perturbation(model, [x for x, _ in batches])
             delta_norms.append(float(delta.norm()))
             for step in range(self.unlearn_steps):

@@ -14,6 +14,7 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import conv_stage_outputs, require_clean_subset
+from backdoorbench.defenses.recipes import recipe
 from backdoorbench.errors import ConfigError
 
 
@@ -57,19 +58,17 @@ class NeuralAttentionDistillation(Defense):
     A teacher is the attacked model fine-tuned on the clean subset; the attacked model (the
     student) is then trained on the same subset with cross-entropy plus beta_k times the distance
     between its attention maps and the teacher's (attention = channel mean of |a|^p, L2-normalized
-    over positions) at the outputs of the last conv stages. Layers: `conv_stage_outputs` finds
-    the conv stages of `features` generically (mnist_cnn: its two conv blocks after pooling; a
-    ResNet: its residual stages, like the paper's residual groups); `betas` weight the last
-    len(betas) stages, deepest last. Defaults follow the official code: p = 2, a single beta of
-    5,000 on the deepest stage, teacher fine-tuned 10 epochs, student 20 epochs. Departures: both
-    phases use the trainer's optimizer and schedule at `lr` (0.01, as `fine_tuning`) instead of the
-    official lr 0.1 step schedule tuned for WRN-16-1 trained on CIFAR-10; during distillation the
-    teacher runs in the student's batch-norm mode (train mode, batch statistics; its running
-    statistics are restored afterwards), where the official code keeps it in eval mode: on a small
-    clean subset the train/eval normalization gap alone dominated the attention loss in our tests.
-    Beta is scale-sensitive: with our small maps (4x4 on mnist_cnn) beta 5,000 makes the loss
-    stiff and the attention distance grows rather than shrinks, while beta <= 500 aligns the maps
-    but leaves the backdoor; the record keeps the distance before and after.
+    over positions). Ledger: docs/fidelity.md#nad. As the official code (bboylyg/NAD): betas
+    500/1000/1000 on the outputs of the last three residual groups (WRN-16-1's three groups;
+    for the 4-stage ResNets, layer2-4, as BackdoorBench), p = 2, the teacher frozen in eval mode
+    (running batch-norm statistics) while the student learns, and both phases trained by its
+    recipe: SGD (momentum 0.9, weight decay 1e-4, Nesterov), batch 64, lr 0.1 for 2 epochs then
+    0.01, with crop/flip augmentation; teacher 10 epochs (the README: 5-10), student 20.
+    Per architecture, the distilled layers are the outputs of the last len(betas) conv stages
+    that `conv_stage_outputs` finds, deepest last; a model with fewer stages (mnist_cnn: two)
+    keeps the deepest betas (1000/1000). The record names the layers and betas used.
+    On mnist_cnn the official lr 0.1 collapses the teacher on 200 clean images (see the ledger's
+    measurement); `lr=0.01` keeps it.
     """
 
     name = "nad"
@@ -80,14 +79,19 @@ class NeuralAttentionDistillation(Defense):
         *,
         teacher_epochs: int = 10,
         epochs: int = 20,
-        lr: float = 0.01,
-        betas: Sequence[float] = (5000.0,),
+        lr: float = 0.1,
+        lr_drop_epoch: int = 2,
+        weight_decay: float = 1e-4,
+        batch_size: int = 64,
+        betas: Sequence[float] = (500.0, 1000.0, 1000.0),
         p: float = 2.0,
         clean_fraction: float = 0.05,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        for key, value in (("teacher_epochs", teacher_epochs), ("epochs", epochs)):
+        for key, value in (("teacher_epochs", teacher_epochs), ("epochs", epochs), ("batch_size", batch_size)):
             checks.integer("defense", key, value, 1)
+        checks.integer("defense", "lr_drop_epoch", lr_drop_epoch, 0, hint="lr x0.1 from this epoch on; the paper: 2")
+        checks.number("defense", "weight_decay", weight_decay, 0)
         for key, value in (("lr", lr), ("p", p)):
             checks.number("defense", key, value, 0, low_open=True)
         betas = list(betas) if isinstance(betas, Sequence) and not isinstance(betas, str) else None
@@ -98,18 +102,23 @@ class NeuralAttentionDistillation(Defense):
         self.teacher_epochs = teacher_epochs
         self.epochs = epochs
         self.lr = float(lr)
+        self.lr_drop_epoch = lr_drop_epoch
+        self.weight_decay = float(weight_decay)
+        self.batch_size = batch_size
         self.betas = [float(b) for b in betas]
         self.p = float(p)
 
-    def layer_names(self, model: nn.Module, probe: Tensor) -> list[str]:
-        """The distilled layers: the last len(betas) conv stages of `model` (see `conv_stage_outputs`)."""
+    def official_trainer(self, trainer, epochs: int):
+        """The run's trainer with the official code's optimizer, batch size and lr steps."""
+        return recipe(trainer, epochs=epochs, boundaries=[self.lr_drop_epoch], factors=[1.0, 0.1], momentum=0.9,
+                      weight_decay=self.weight_decay, nesterov=True, batch_size=self.batch_size)
+
+    def layer_names(self, model: nn.Module, probe: Tensor) -> tuple[list[str], list[float]]:
+        """The distilled layers and their betas: the last len(betas) conv stages of `model` (see
+        `conv_stage_outputs`), or all of its stages with the deepest betas when it has fewer."""
         stages = conv_stage_outputs(model, probe)
-        if len(self.betas) > len(stages):
-            raise ConfigError(
-                f"defense.betas has {len(self.betas)} values but the model has only {len(stages)} conv stages; "
-                f"give at most {len(stages)}"
-            )
-        return [name for name, _ in stages[len(stages) - len(self.betas):]]
+        count = min(len(self.betas), len(stages))
+        return [name for name, _ in stages[len(stages) - count:]], self.betas[len(self.betas) - count:]
 
     @torch.no_grad()
     def attention_distance(self, student: nn.Module, teacher: nn.Module, names: list[str], images: Tensor,
@@ -129,23 +138,22 @@ class NeuralAttentionDistillation(Defense):
             s_cap.remove(), t_cap.remove()
         return total / count
 
-    def distill(self, student: nn.Module, teacher: nn.Module, names: list[str], clean: Split, trainer,
-                generator: torch.Generator) -> list[dict]:
-        """Train `student` on `clean` with CE + sum_k beta_k * attention loss to `teacher` at `names`."""
-        student, teacher = trainer.prepare(student), trainer.prepare(teacher)
+    def distill(self, student: nn.Module, teacher: nn.Module, names: list[str], betas: list[float], clean: Split,
+                trainer, generator: torch.Generator) -> list[dict]:
+        """Train `student` on `clean` with CE + sum_k beta_k * attention loss to `teacher` at `names`;
+        the teacher stays frozen in eval mode, as in the official code."""
+        trainer = self.official_trainer(trainer, self.epochs)
+        student, teacher = trainer.prepare(student), trainer.prepare(teacher).eval()
         for param in teacher.parameters():
             param.requires_grad_(False)
         s_cap = _Capture([_submodule(student, n) for n in names])
         t_cap = _Capture([_submodule(teacher, n) for n in names])
-        teacher_state = copy.deepcopy(teacher.state_dict())
 
         def distillation_step(model: nn.Module, x: Tensor, y: Tensor):
             logits = model(x)
-            teacher.train(model.training)  # the same batch-norm mode on both sides (see the class docstring)
             with torch.no_grad():
                 teacher(x)
-            distill = sum(beta * attention_loss(s, t, self.p)
-                          for beta, s, t in zip(self.betas, s_cap.outputs, t_cap.outputs))
+            distill = sum(beta * attention_loss(s, t, self.p) for beta, s, t in zip(betas, s_cap.outputs, t_cap.outputs))
             return F.cross_entropy(logits, y) + distill, logits, y
 
         try:
@@ -153,24 +161,26 @@ class NeuralAttentionDistillation(Defense):
                                step=distillation_step, desc="nad")
         finally:
             s_cap.remove(), t_cap.remove()
-            teacher.load_state_dict(teacher_state)  # undo the running-statistics updates of train mode
-            teacher.eval()
 
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         require_clean_subset(ctx, self.name)
         trainer, clean = ctx.trainer, ctx.clean_subset
         student = trainer.prepare(copy.deepcopy(ctx.model))
-        names = self.layer_names(student, to_float(clean.images[:2].to(trainer.device)))
+        names, betas = self.layer_names(student, to_float(clean.images[:2].to(trainer.device)))
         teacher = copy.deepcopy(ctx.model)
-        teacher_history = trainer.fit(teacher, clean, generator=ctx.generator, epochs=self.teacher_epochs, lr=self.lr,
-                                      desc="nad teacher")
+        # the official teacher: the same recipe with every beta 0 (its README)
+        teacher_history = self.official_trainer(trainer, self.teacher_epochs).fit(
+            teacher, clean, generator=ctx.generator, epochs=self.teacher_epochs, lr=self.lr, desc="nad teacher")
         teacher = trainer.prepare(teacher).eval()
         distance = partial(self.attention_distance, names=names, images=clean.images, device=trainer.device,
                            batch_size=trainer.eval_batch_size)
         distance_before = distance(student, teacher)
-        history = self.distill(student, teacher, names, clean, trainer, ctx.generator)
+        history = self.distill(student, teacher, names, betas, clean, trainer, ctx.generator)
         return DefenseResult(model=student, extras={
             "n_attention_layers": len(names),
+            "attention_layers": names,
+            "betas_used": betas,
+            "lr_per_epoch": [row["lr"] for row in history],
             "teacher_final_loss": teacher_history[-1]["loss"],
             "final_loss": history[-1]["loss"],
             "attention_distance_before": distance_before,  # student vs teacher on the clean subset, eval mode
@@ -179,4 +189,5 @@ class NeuralAttentionDistillation(Defense):
 
     def describe(self) -> dict:
         return {**super().describe(), "teacher_epochs": self.teacher_epochs, "epochs": self.epochs, "lr": self.lr,
+                "lr_drop_epoch": self.lr_drop_epoch, "weight_decay": self.weight_decay, "batch_size": self.batch_size,
                 "betas": self.betas, "p": self.p}

@@ -14,6 +14,7 @@ from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 MAD_CONSISTENCY = 1.4826  # makes the MAD a consistent estimator of the std under a normal distribution
 TANH_EPS = 1e-7  # keeps tanh(.) / (2 - eps) + 0.5 strictly inside (0, 1), as the official code does
@@ -31,10 +32,19 @@ class ReversedTrigger:
         return (1 - mask) * x + mask * pattern
 
 
+def numpy_median(values: Tensor) -> Tensor:
+    """The median as `np.median` (the official code) takes it: the mean of the two middle values
+    when the count is even. `torch.median` returns the lower of the two, which on 10 or 200
+    classes moves both the centre and the MAD."""
+    ordered = values.flatten().sort().values
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def mad_anomaly_index(norms: Tensor) -> Tensor:
-    """|norm - median| / (1.4826 * median(|norm - median|)) per class."""
-    median = norms.median()
-    mad = MAD_CONSISTENCY * (norms - median).abs().median()
+    """|norm - median| / (1.4826 * median(|norm - median|)) per class, medians as np.median."""
+    median = numpy_median(norms)
+    mad = MAD_CONSISTENCY * numpy_median((norms - median).abs())
     # All norms equal but one: MAD is 0; a tiny floor keeps the index finite (records refuse inf).
     return (norms - median).abs() / mad.clamp_min(1e-12 * max(float(median.abs()), 1.0))
 
@@ -43,7 +53,7 @@ def flagged_classes(norms: Tensor, threshold: float) -> list[int]:
     """Classes whose mask norm is below the median with an anomaly index above `threshold`,
     smallest norm first (only small masks betray a backdoor: a shortcut to the class)."""
     index = mad_anomaly_index(norms)
-    median = norms.median()
+    median = numpy_median(norms)
     flagged = [c for c in range(len(norms)) if norms[c] < median and index[c] > threshold]
     return sorted(flagged, key=lambda c: float(norms[c]))
 
@@ -61,22 +71,25 @@ class NeuralCleanse(Defense):
     then `init_cost`, raised x`cost_multiplier` after `patience` successful epochs and lowered by
     `cost_multiplier`**1.5 after `patience` failing ones), the best mask = smallest L1 among
     successful epochs, early stop after `early_stop_patience` epochs without a 1% gain.
-    Departures: an epoch is one pass over the defender's clean subset (the paper draws 1,000
-    samples per step), and `epochs` defaults to 50 rather than 1,000 so that scanning every class
-    stays cheap; `parallel_classes` classes are optimized side by side in one batch (the same
-    optimization, fewer kernel launches); the paper fine-tunes one epoch on 10% of the training
-    data, we fine-tune `unlearn_epochs` (default 10, like `fine_tuning`) on the smaller clean
-    subset; several flagged classes share the stamped 20% in turns. If no class is flagged the
-    model is returned unchanged (extras: unlearned = 0).
+    Budgets: `official` (default) up to 1,000 optimization epochs per class and 1 unlearning
+    epoch, on a clean subset of 10% of the training set (the paper: 10%); `cpu` 50 and 10, the
+    cut of the committed CPU tables (pass defense.clean_fraction=0.05 for their clean subset).
+    Ledger: docs/fidelity.md#neural-cleanse. Departures: an epoch is one pass over the
+    defender's clean subset (the official step is one pass over 1,000 samples);
+    `parallel_classes` classes are optimized side by side in one batch (the same optimization,
+    fewer kernel launches); several flagged classes share the stamped 20% in turns. If no class
+    is flagged the model is returned unchanged (extras: unlearned = 0).
     """
 
     name = "neural_cleanse"
     stage = "post_train"
+    BUDGETS = {"official": {"epochs": 1000, "unlearn_epochs": 1}, "cpu": {"epochs": 50, "unlearn_epochs": 10}}
 
     def __init__(
         self,
         *,
-        epochs: int = 50,
+        budget: str = "official",
+        epochs: int | None = None,
         batch_size: int = 32,
         lr: float = 0.1,
         init_cost: float = 1e-3,
@@ -87,12 +100,14 @@ class NeuralCleanse(Defense):
         reset_cost_to_zero: bool = True,
         anomaly_threshold: float = 2.0,
         unlearn_fraction: float = 0.2,
-        unlearn_epochs: int = 10,
+        unlearn_epochs: int | None = None,
         unlearn_lr: float = 0.01,
         parallel_classes: int = 10,
-        clean_fraction: float = 0.05,
+        clean_fraction: float = 0.1,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
+        resolved = self.resolve_budget(budget, epochs=epochs, unlearn_epochs=unlearn_epochs)
+        epochs, unlearn_epochs = resolved["epochs"], resolved["unlearn_epochs"]
         for key, value, low in (("epochs", epochs, 1), ("batch_size", batch_size, 1), ("patience", patience, 1),
                                 ("early_stop_patience", early_stop_patience, 1), ("unlearn_epochs", unlearn_epochs, 0),
                                 ("parallel_classes", parallel_classes, 1)):
@@ -148,7 +163,8 @@ class NeuralCleanse(Defense):
         early_stop_best = [float("inf")] * count
         success = [0.0] * count
         active = list(range(count))
-        for _ in range(self.epochs):
+        classes = f"class {targets[0]}" if count == 1 else f"classes {targets[0]}-{targets[-1]}"
+        for _ in track(range(self.epochs), f"neural_cleanse: trigger search, {classes}", unit="epochs"):
             if not active:
                 break
             rows = torch.tensor(active, device=device)
@@ -257,7 +273,7 @@ class NeuralCleanse(Defense):
 
     def describe(self) -> dict:
         return {
-            **super().describe(), "epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr,
+            **super().describe(), "budget": self.budget, "epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr,
             "init_cost": self.init_cost, "cost_multiplier": self.cost_multiplier, "patience": self.patience,
             "early_stop_patience": self.early_stop_patience, "attack_success_threshold": self.attack_success_threshold,
             "reset_cost_to_zero": self.reset_cost_to_zero, "anomaly_threshold": self.anomaly_threshold,

@@ -12,12 +12,26 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import to_float
 from backdoorbench.defenses.base import DefenseContext, DefenseResult, InputDefense
 from backdoorbench.errors import ConfigError
+from backdoorbench.progress import track
 
 
 def superimpose(x: Tensor, overlays: Tensor) -> Tensor:
     """Every input plus each of its overlays, saturated to [0, 1]: (B, C, H, W) and (B, N, C, H, W)
     -> (B, N, C, H, W). Like the paper's `cv2.addWeighted(x, 1, overlay, 1, 0)` on 8-bit images."""
     return (x.unsqueeze(1) + overlays).clamp_(0.0, 1.0)
+
+
+def frr_cutoff(entropies: Tensor, frr: float) -> float:
+    """The entropy below which at most `frr` of `entropies` fall: the k-th smallest value, with
+    k = floor(frr * n), so exactly the k lowest are rejected (fewer when values tie)."""
+    ordered = entropies.double().sort().values
+    return float(ordered[min(math.floor(frr * len(ordered)), len(ordered) - 1)])
+
+
+def normal_fit_cutoff(entropies: Tensor, frr: float) -> float:
+    """The paper's and its code's threshold: the `frr` quantile of a normal fit to `entropies`."""
+    mean, std = float(entropies.double().mean()), max(float(entropies.double().std()), 1e-12)
+    return mean + std * math.sqrt(2.0) * float(torch.erfinv(torch.tensor(2.0 * frr - 1.0, dtype=torch.float64)))
 
 
 def mean_entropy(probabilities: Tensor) -> Tensor:
@@ -32,9 +46,12 @@ class Strip(InputDefense):
 
     Each input is superimposed with N clean images; a trigger that dominates the prediction keeps
     it fixed whatever is added, so the mean entropy of the N softmax outputs is low for triggered
-    inputs. The score is -entropy (higher = more suspicious); the threshold is the FRR-quantile
-    of a normal fit to the entropies of the defender's clean images, as the paper and its code do.
-    Departures: images are added in [0, 1] pixel space and saturated at 1 (the official notebook
+    inputs. The score is -entropy (higher = more suspicious). Ledger: docs/fidelity.md#strip.
+    Departures: the threshold is the empirical FRR-quantile of the entropies of the defender's
+    clean images (`frr_cutoff`), where the paper and its code take the quantile of a normal fit:
+    clean entropies are skewed (a long tail of confident images), and the normal fit rejected
+    3-7% of the calibration images and 3.9-6.3% of clean test images when 1% was asked for
+    (mnist5k records); the normal fit's cutoff and FRR stay in the record. Images are added in [0, 1] pixel space and saturated at 1 (the official notebook
     adds normalized float images without clipping; saturation is what adding 8-bit images does);
     calibration uses the clean subset (the paper's held-out clean set), each image superimposed
     with N others from it, never with itself; N = 100 and FRR = 1% are the paper's defaults.
@@ -63,7 +80,8 @@ class Strip(InputDefense):
             raise RuntimeError("strip: call apply(ctx) before scoring inputs")
         pool = len(self._overlays) - (1 if exclude is not None else 0)
         out = []
-        for start in range(0, len(x), self.batch_size):
+        starts = range(0, len(x), self.batch_size)
+        for start in track(starts, f"strip: entropy of {len(x)} inputs x {self.num_superimpose} overlays", unit="batches"):
             chunk = x[start : start + self.batch_size]
             picks = torch.randint(pool, (len(chunk), self.num_superimpose), generator=self._generator)
             if exclude is not None:
@@ -96,15 +114,16 @@ class Strip(InputDefense):
         self._generator = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=ctx.generator)))
         model = ctx.trainer.prepare(ctx.model).eval()
         entropies = self.entropy(model, to_float(clean.images.to(device)), exclude=torch.arange(len(clean)))
-        mean, std = float(entropies.mean()), float(entropies.std())
-        std = max(std, 1e-12)  # a constant entropy gives a point mass: the quantile is its value
-        cutoff = mean + std * math.sqrt(2.0) * float(torch.erfinv(torch.tensor(2.0 * self.frr - 1.0, dtype=torch.float64)))
+        cutoff = frr_cutoff(entropies, self.frr)
+        normal = normal_fit_cutoff(entropies, self.frr)
         self.threshold = -cutoff  # reject when -entropy > -cutoff, i.e. entropy < cutoff
         return DefenseResult(extras={
             "entropy_threshold_bits": cutoff,
-            "clean_entropy_mean_bits": mean,
-            "clean_entropy_std_bits": std,
+            "clean_entropy_mean_bits": float(entropies.mean()),
+            "clean_entropy_std_bits": float(entropies.std()) if len(entropies) > 1 else 0.0,
             "calibration_frr": float((entropies < cutoff).float().mean()),
+            "normal_fit_threshold_bits": normal,  # the paper's cutoff, for comparison
+            "normal_fit_calibration_frr": float((entropies < normal).float().mean()),
             "n_calibration": int(len(clean)),
         })
 
