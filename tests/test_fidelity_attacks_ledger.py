@@ -1,4 +1,4 @@
-"""The attacks' fidelity ledger (docs/fidelity_attacks.md, to be merged into docs/fidelity.md): each
+"""The attacks' fidelity ledger (docs/fidelity.md, its Attacks part): each
 attack's docstring points to its section, which holds the table and names its sources at a commit."""
 
 import re
@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import backdoorbench
 
 ROOT = Path(backdoorbench.__file__).parent
-LEDGER = ROOT.parent / "docs" / "fidelity_attacks.md"
+LEDGER = ROOT.parent / "docs" / "fidelity.md"
 COMMIT = re.compile(r"`([\w.-]+/[\w.-]+)@([0-9a-f]{40})(:[^`]+)?`")
 # The attacks whose docstrings issue 13's attack-ledger work owns; WaNet, Input-aware, LIRA and WB
 # have sections too, their docstrings are edited with their own findings.
@@ -27,7 +27,7 @@ def sections() -> dict[str, str]:
 @pytest.mark.parametrize("name", ATTACKS)
 def test_every_attack_has_a_section_with_the_table_and_a_source_at_a_commit(name):
     body = sections().get(name.replace("_", "-"))
-    assert body is not None, f"docs/fidelity_attacks.md has no section '### {name.replace('_', '-')}'"
+    assert body is not None, f"docs/fidelity.md has no section '### {name.replace('_', '-')}'"
     if name != "none":  # the clean control has nothing to compare
         assert "| parameter | paper | official code | ours | why |" in body
         assert COMMIT.search(body), "a section names its source as `owner/repo@<40-hex commit>:path`"

@@ -61,7 +61,7 @@ class AdaptiveBlend(Attack):
     samples come from the rest of the training set, any class. A grid that does not divide the
     image gets bands that differ by one pixel (the official code requires a divisor). The
     pieces of each sample are drawn from the run's seeded generator, not Python's `random`.
-    Every value against its source: docs/fidelity_attacks.md#adaptive-blend.
+    Every value against its source: docs/fidelity.md#adaptive-blend.
 
     Measured on mnist5k with mnist_cnn (results/README.md): all2one, 10 epochs, 100% ASR for 3
     seeds, but not stealthy in the paper's sense there: spectral signatures score its samples at

@@ -28,7 +28,7 @@ class BadNets(Attack):
     synthetic unit tests are built on (a white corner is matched by their bright clean images).
     Departure: BackdoorBench resizes its 32x32 trigger image to the dataset (a 6x6 square on
     64 px Tiny-ImageNet); our patch keeps `patch_size` pixels on any image size. Every value
-    against its source: docs/fidelity_attacks.md#badnets.
+    against its source: docs/fidelity.md#badnets.
     """
 
     name = "badnets"

@@ -18,7 +18,7 @@ class Blended(Attack):
     our default pattern is scikit-image's `chelsea` cat photo (it ships offline), resized to the
     image size and converted to gray for 1-channel data; `pattern` takes any image file,
     another scikit-image sample, or `random`. Default alpha 0.2 in training and at test time, as
-    BackdoorBench. Every value against its source: docs/fidelity_attacks.md#blended.
+    BackdoorBench. Every value against its source: docs/fidelity.md#blended.
     """
 
     name = "blended"

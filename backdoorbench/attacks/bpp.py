@@ -71,7 +71,7 @@ class Bpp(Attack):
     passed. The paper's method dithers, and so do we by default. The class default keeps 8
     levels; conf/attack/bpp.yaml uses 2, because MNIST digits are nearly binary and 8 levels
     change few of their pixels (on mnist5k, 10 epochs: ASR 1.9% with 8, 99% with 2). Every value
-    against its source: docs/fidelity_attacks.md#bpp.
+    against its source: docs/fidelity.md#bpp.
     """
 
     name = "bpp"

@@ -93,7 +93,7 @@ class LabelConsistent(Attack):
     choice the four corners (ours). On mnist5k no setting we tried reached a backdoor (ASR <= 0.3%
     with L_inf up to 0.3 and L2 up to 5 against a robust surrogate, even at 100% surrogate error;
     23% at best without the trainer's random crop and 60 epochs): the victim memorizes the
-    hardened images instead. docs/fidelity_attacks.md#label-consistent has the sweep and every
+    hardened images instead. docs/fidelity.md#label-consistent has the sweep and every
     value against its source.
 
     Target modes: the paper is all2one only; clean-label all2all is not meaningful (poisoned images

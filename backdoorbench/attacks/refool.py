@@ -80,7 +80,7 @@ def focal_blur_blend(t: Tensor, r_blur: Tensor, alpha_t: float, att: float, mask
 
 class Refool(Attack):
     """Refool (Liu, Ma, Bailey, Lu, "Reflection Backdoor: A Natural Backdoor Attack on Deep
-    Neural Networks", ECCV 2020). Every value against its source: docs/fidelity_attacks.md#refool.
+    Neural Networks", ECCV 2020). Every value against its source: docs/fidelity.md#refool.
 
     The trigger is a reflection: an image of another scene r, filtered by one of the paper's
     reflection models and blended in linear light (gamma 2.2), as the official `blend_images`:

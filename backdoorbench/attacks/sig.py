@@ -30,7 +30,7 @@ class SIG(Attack):
     (null = delta). `poison_rate` is a share of the target class, as the clean-label papers count
     it (a share of the whole set would exceed the target class on GTSRB or Tiny-ImageNet). On
     mnist5k (10 epochs, seed 0) 40/40 reaches only 0.8% ASR, where 60/255 in training and 100/255
-    at test time reached 93%. Every value against its source: docs/fidelity_attacks.md#sig.
+    at test time reached 93%. Every value against its source: docs/fidelity.md#sig.
 
     Target modes: the paper is all2one only. A clean-label all2all backdoor is not meaningful:
     one trigger would have to send every class y to y + 1, but poisoned images keep their label,

@@ -40,7 +40,7 @@ class TrojanNN(Attack):
     seeded uniform start on a black background by sign-gradient descent on the squared distance
     to `neuron_target` (`trigger_steps` steps of `trigger_lr`; BackdoorBench: 1000 steps of 0.1
     within 0.3 of its mask image); the paper's square, Apple-logo and watermark masks become a
-    square here. Every value against its source: docs/fidelity_attacks.md#trojannn.
+    square here. Every value against its source: docs/fidelity.md#trojannn.
     """
 
     name = "trojannn"
