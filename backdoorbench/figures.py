@@ -59,7 +59,8 @@ Draws the figures from the run records under <results_dir>/runs (and the arrays 
 them) into <results_dir>/figures, as PNG and PDF; a figure whose runs are missing is skipped
 with the command that makes them. dataset= keeps one dataset; attacks= draws the trigger gallery and GradCAM
 figures for those attacks only (files named after them); residual_scale= multiplies the poisoned-minus-clean
-residuals of the trigger gallery. results_dir defaults to results (the committed figures)."""
+residuals of the trigger gallery. results_dir defaults to outputs, where runs write by default; the committed figures are
+results_dir=results."""
 EXAMPLES_SHOWN = 2  # example images per attack in the gallery and GradCAM figures
 ROWS_PER_PAGE = 6  # attack rows per page of the gallery and GradCAM figures: a page a journal can print
 
@@ -443,7 +444,7 @@ def write_figures(results_dir: str | Path, *, dataset: str | None = None, attack
     # a chosen subset gets its own file names: it never replaces the figures of every attack
     suffix = "_" + "-".join(attacks) if attacks is not None else ""
     out = ensure_writable_dir(results_dir / "figures", "the figures folder at results_dir")
-    where = "" if str(results_dir) == "results" else f" results_dir={results_dir}"
+    where = "" if str(results_dir) == "outputs" else f" results_dir={results_dir}"
     written: dict[int, list[Path]] = {}
     for figure in FIGURES:
         written[figure.number] = figure.draw(runs, out, residual_scale=residual_scale, suffix=suffix)
@@ -461,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            options = parse_args(args, {"results_dir": "results", "dataset": None, "attacks": None,
+            options = parse_args(args, {"results_dir": "outputs", "dataset": None, "attacks": None,
                                         "residual_scale": "10"}, USAGE)
             try:
                 scale = float(options["residual_scale"])

@@ -42,7 +42,8 @@ HELP = f"""{USAGE}
 Builds the leaderboard from the run records under <results_dir>/runs: one row per setting (the
 mean and spread over its seeds) in <results_dir>/leaderboard/leaderboard.md, leaderboard.html,
 attacks.csv and defenses.csv. dataset=, model= and target_mode= keep only the matching records.
-results_dir defaults to results (the committed tables)."""
+results_dir defaults to outputs, where runs write by default; the committed tables are
+results_dir=results."""
 
 
 @dataclass(frozen=True)
@@ -733,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            options = parse_args(args, {"results_dir": "results", **{k: None for k in FILTERS}}, USAGE)
+            options = parse_args(args, {"results_dir": "outputs", **{k: None for k in FILTERS}}, USAGE)
             results_dir = options.pop("results_dir")
             files = write_leaderboard(results_dir, **options)
         except UserError as exc:

@@ -120,6 +120,7 @@ def test_a_corrupt_or_malicious_entry_is_refused_and_retrained(tmp_path, compose
     assert _run(compose_cfg, tmp_path, "trainer.epochs=0")[0].victim["cache"] == "hit"  # rewritten whole
 
 
+@pytest.mark.slow
 def test_two_processes_train_one_victim_once(tmp_path):
     args = [sys.executable, "-m", "backdoorbench", *CHEAP, f"results_dir={tmp_path}", "eval.stealth_images=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

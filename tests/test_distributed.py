@@ -38,6 +38,7 @@ def files_under(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_same_weights_as_one_and_only_rank_0_writes(tmp_path):
     done = torchrun(str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -73,6 +74,7 @@ def test_two_processes_train_the_same_weights_as_one_and_only_rank_0_writes(tmp_
 TOLERANCE = {"clean_acc": 0.03, "asr": 0.05, "ra": 0.03}
 
 
+@pytest.mark.slow
 def test_torchrun_pipeline_writes_one_record_with_the_metrics_of_one_process(tmp_path, compose_cfg):
     from backdoorbench.pipeline import run
 

@@ -189,6 +189,7 @@ def tiny_report(tmp_path_factory):
     return json.loads(out.read_text()), proc.stdout, out
 
 
+@pytest.mark.slow
 def test_tiny_cpu_mode_runs_every_section_or_says_why_not(tiny_report):
     report, stdout, out = tiny_report
     assert report["format"] == gc.FORMAT and report["device"] == "cpu" and report["tiny"] is True
@@ -205,6 +206,7 @@ def test_tiny_cpu_mode_runs_every_section_or_says_why_not(tiny_report):
     assert [p.name for p in out.parent.iterdir()] == ["report.json"]  # written atomically: no temp file left
 
 
+@pytest.mark.slow
 def test_tiny_cpu_mode_measures_what_each_section_promises(tiny_report):
     sections = tiny_report[0]["sections"]
     env = sections["environment"]["result"]

@@ -25,6 +25,7 @@ def assert_two_seeded_records(results_dir: Path) -> None:
         assert 0 <= record.metrics["attacked"]["clean_acc"] <= 1 and record.timings_s["train"] > 0
 
 
+@pytest.mark.slow
 def test_joblib_multirun_runs_two_jobs_in_worker_processes(tmp_path):
     proc = run_cli("--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=0,1", *TINY,
                    f"results_dir={tmp_path}")
@@ -35,6 +36,7 @@ def test_joblib_multirun_runs_two_jobs_in_worker_processes(tmp_path):
     assert_two_seeded_records(tmp_path)
 
 
+@pytest.mark.slow
 def test_submitit_local_multirun_runs_two_submitit_jobs(tmp_path):
     proc = run_cli("--multirun", "hydra/launcher=submitit_local", "seed=0,1", *TINY, f"results_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]

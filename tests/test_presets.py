@@ -52,6 +52,7 @@ def test_there_are_paper_presets():
         assert text.startswith("# @package _global_") and "python -m backdoorbench --multirun experiment=" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_runs_one_tiny_step_per_dataset(name, data_root, tmp_path, compose_cfg):
     from backdoorbench.pipeline import run
@@ -84,6 +85,7 @@ def test_paper_settings_carry_the_released_values(compose_cfg):
     assert "stage1_epochs" not in compose_cfg("paper=lira/cifar10", "attack=badnets").attack
 
 
+@pytest.mark.slow
 def test_the_multirun_sweeps_the_preset_and_the_command_line_replaces_its_keys(data_root, tmp_path):
     proc = run_cli("--multirun", "experiment=lira_iccv21", "paper=lira/mnist", "attack=badnets", f"dataset.root={data_root}",
                    f"results_dir={tmp_path}", *TINY)

@@ -126,6 +126,7 @@ def kill_once_written(args: list[str], results_dir: Path, name: str, timeout: fl
     return log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", ATTACK_CASES)
 def test_training_controlled_attack_resumes_exactly_after_sigkill(tmp_path, attack, compose_cfg, monkeypatch, caplog):
     from backdoorbench.pipeline import run
