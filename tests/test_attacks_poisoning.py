@@ -561,3 +561,15 @@ def test_label_keeping_extras_avoid_the_poisoned_samples_and_say_when_too_few_ar
     with pytest.raises(ConfigError, match=r"^attack.neg_ratio=0.5 asks for 5 negative samples but only 4 images are "
                                           r"not poisoned; use attack.neg_ratio <= 0.4000$"):
         choose_unpoisoned(poisoned, 10, 0.5, "neg_ratio", "negative samples", torch.Generator())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_cache_hit_describes_the_attack_as_the_run_that_filled_it(name):
+    """Issue 13, finding 11: a victim-cache hit restores the poisoned rows and `state_dict()`, not
+    `poison_dataset`'s draws; the record's attack block must still be the training run's (it named
+    BPP's negatives and Adaptive-Blend's cover samples 0)."""
+    trained = build(name)
+    trained.poison_dataset(make_split(), torch.Generator().manual_seed(3))
+    hit = build(name)  # a fresh attack, as the pipeline builds it before it finds the cache entry
+    hit.load_state_dict(trained.state_dict())
+    assert hit.describe() == trained.describe()

@@ -142,6 +142,15 @@ class AdaptiveBlend(Attack):
         self.cover_indices = cover
         return PoisonedData(Split(images, labels), indices)
 
+    def state_dict(self) -> dict:
+        # A cache hit restores the poisoned rows but not poison_dataset's draws: the cover samples
+        # are kept here so that its record names them as the training run's did.
+        return {**super().state_dict(), "cover_indices": self.cover_indices.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.cover_indices = state.get("cover_indices", torch.empty(0, dtype=torch.int64))
+
     def describe(self) -> dict:
         return {
             **super().describe(),

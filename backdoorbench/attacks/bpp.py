@@ -119,6 +119,15 @@ class Bpp(Attack):
         self.negative_indices = negatives
         return PoisonedData(Split(images, labels), indices)
 
+    def state_dict(self) -> dict:
+        # A cache hit restores the poisoned rows but not poison_dataset's draws: the negatives are
+        # kept here so that its record names them as the training run's did.
+        return {**super().state_dict(), "negative_indices": self.negative_indices.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.negative_indices = state.get("negative_indices", torch.empty(0, dtype=torch.int64))
+
     def describe(self) -> dict:
         return {
             **super().describe(),

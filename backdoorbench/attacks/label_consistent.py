@@ -241,6 +241,15 @@ class LabelConsistent(Attack):
             labels[indices] = self.target_rule(labels[indices])
         return PoisonedData(Split(images, labels), indices)
 
+    def state_dict(self) -> dict:
+        # The surrogate's accuracies are measured while poisoning; a cache hit skips that, so they
+        # travel with the victim for its record to be the training run's.
+        return {**super().state_dict(), "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.stats = {**self.stats, **state.get("stats", {})}
+
     def describe(self) -> dict:
         return {
             **super().describe(),
