@@ -40,22 +40,7 @@ def checkpoints_under(results_dir: Path) -> list[Path]:
 
 def kill_after_first_checkpoint(results_dir: Path, timeout: float = 300) -> tuple[Path, int]:
     """Start the run, SIGKILL it once its epoch checkpoint exists; return (checkpoint, epoch)."""
-    log = results_dir.parent / f"{results_dir.name}.killed.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "backdoorbench", *SETTING, f"results_dir={results_dir}"],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout
-        try:
-            while not checkpoints_under(results_dir):
-                assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before a checkpoint:\n{log.read_text()}"
-                assert time.monotonic() < deadline, "no checkpoint within the timeout"
-                time.sleep(0.02)
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            if proc.poll() is None and time.monotonic() >= deadline:
-                proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_once_written(SETTING, results_dir, "victim.pt", timeout)
     [checkpoint] = checkpoints_under(results_dir)
     epoch = torch.load(checkpoint, map_location="cpu", weights_only=True)["epoch"]
     return checkpoint, epoch
