@@ -133,7 +133,9 @@ def test_a_job_failing_with_a_user_error_says_so_in_one_line_and_the_others_fini
 # 20 to 50 s into a run (Slurm would kill it 60 to 90 s in). The victim's training is sized to take
 # RESUME_TRAIN_S on this machine as loaded now (measured by a 2-epoch run), so that every run is
 # signalled at least once, however fast the machine, while the requeues stay few, however slow.
-RESUME_TRAIN_S = 70
+# 120 s, not 70: the 2-epoch estimate includes the first epoch's warm-up, and at 70 s a WaNet job
+# once finished its whole training (36 s of it, 0.8 s an epoch) before its signal came.
+RESUME_TRAIN_S = 120
 SETTING = ("dataset.test_per_class=400", *QUIET)  # 1,000 training images
 TIME_LIMIT = ("hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=10", "hydra.launcher.max_num_timeout=20")
 
