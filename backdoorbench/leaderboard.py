@@ -130,18 +130,13 @@ def exclusion(record: RunRecord) -> str | None:
     if "applicable" in record.defense or record.defense.get("name") in (None, "none"):
         return None
     from hydra.utils import get_class
-
-    from backdoorbench.attacks.base import TrainingAttack
     try:
         defense_cls = get_class(record.config["defense"]["_target_"])
         attack_cls = get_class(record.config["attack"]["_target_"])
     except Exception:  # a record of a class that no longer exists: nothing to judge it by
         return None
-    if issubclass(attack_cls, TrainingAttack) and not getattr(defense_cls, "meets_training_controlled_attacks", True):
-        return (f"{record.attack['name']} poisons inside its own training step; {record.defense['name']} works on the "
-                "stored training split only, so it never meets the attack (judged from the record's config: the "
-                "record predates the check)")
-    return None
+    reason = getattr(defense_cls, "excludes", lambda *_: None)(record.attack["name"], attack_cls)
+    return None if reason is None else f"{reason} (judged from the record's config: the record predates the check)"
 
 
 @dataclass

@@ -73,9 +73,15 @@ class Defense:
         """Why this defense's threat model excludes `attack` (one sentence), or None when it applies.
         The pipeline asks before the defense runs; an excluded pair is recorded as `applicable:
         false` with this reason and no defended metrics, and the leaderboard shows it as n/a."""
-        if isinstance(attack, TrainingAttack) and not self.meets_training_controlled_attacks:
-            return (f"{attack.name} controls the victim's training and poisons inside its own training step, "
-                    f"leaving the stored training split clean; {self.name} ({self.stage.replace('_', '-')}) "
+        return self.excludes(attack.name, type(attack))
+
+    @classmethod
+    def excludes(cls, attack_name: str, attack_class: type) -> str | None:
+        """`not_applicable` from the classes alone, so that a record made before the pipeline asked
+        can be judged from the classes its config names (the leaderboard does)."""
+        if issubclass(attack_class, TrainingAttack) and not cls.meets_training_controlled_attacks:
+            return (f"{attack_name} controls the victim's training and poisons inside its own training step, "
+                    f"leaving the stored training split clean; {cls.name} ({cls.stage.replace('_', '-')}) "
                     "works on that split only, so it never meets the attack")
         return None
 
