@@ -39,7 +39,8 @@ from backdoorbench.fileio import atomic_torch_save
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: a clean-label poison_rate became a share of the target class (same key, other victim)
+CACHE_VERSION = 3  # 2: a clean-label poison_rate became a share of the target class (same key, other victim);
+#                  3: dirty-label poison is drawn from all classes, target class included
 ENTRY_FORMAT = "backdoorbench.victim_cache.v1"
 # Config keys that determine the victim; anything else (defense, eval, logger, paths) does not.
 VICTIM_CONFIG_KEYS = ("dataset", "model", "attack", "trainer", "seed")

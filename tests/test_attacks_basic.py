@@ -99,7 +99,7 @@ def labels_of_size(n=1000, seed=0):
 
 
 @pytest.mark.parametrize("mode", ["all2one", "all2all"])
-def test_poison_indices_are_seeded_sized_and_eligible(mode):
+def test_poison_indices_are_seeded_sized_and_drawn_from_every_class(mode):
     attack = BadNets(**COMMON, target_mode=mode, target=3, poison_rate=0.1)
     y = labels_of_size()
     first = attack.poison_indices(y, torch.Generator().manual_seed(7))
@@ -107,16 +107,23 @@ def test_poison_indices_are_seeded_sized_and_eligible(mode):
     other = attack.poison_indices(y, torch.Generator().manual_seed(8))
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert len(first) == 100 and len(set(first.tolist())) == 100
-    assert (attack.target_rule(y[first]) != y[first]).all()  # target-class samples excluded
-    if mode == "all2one":
-        assert (y[first] != 3).all()
+    # BackdoorBench's rule: dirty-label poison is drawn from all classes, the target class included
+    assert set(y[first].tolist()) == set(range(10))
 
 
-def test_poison_rate_larger_than_the_eligible_share_is_refused():
+def test_dirty_label_all2one_keeps_target_class_labels_and_stamps_them():
+    attack = BadNets(**COMMON, target=3, poison_rate=0.5)
+    y = labels_of_size(200)
+    chosen = attack.poison_indices(y, torch.Generator().manual_seed(0))
+    in_target = chosen[y[chosen] == 3]
+    assert len(in_target) > 0  # the old rule excluded these
+    assert (attack.target_rule(y[chosen]) == 3).all()
+
+
+def test_full_poison_rate_is_allowed_for_dirty_label_attacks():
     attack = BadNets(**COMMON, target=0, poison_rate=1.0)
     y = labels_of_size()
-    with pytest.raises(ConfigError, match="eligible"):
-        attack.poison_indices(y, torch.Generator().manual_seed(0))
+    assert len(attack.poison_indices(y, torch.Generator().manual_seed(0))) == len(y)
 
 
 @pytest.mark.parametrize("rate", [0, -0.1, 1.5, "0.1", True])

@@ -56,9 +56,9 @@ class AdaptiveBlend(Attack):
     test time. Departures: the paper's trigger is a Hello Kitty image; our default pattern is
     scikit-image's `chelsea` photo (offline), as for Blended. The paper poisons 0.3% of CIFAR-10
     with as many cover samples; our default poisons 10% (the bench's common rate) with 10% cover,
-    keeping the paper's 0.5 ratio. Payload samples come from the non-target classes (every
-    dirty-label attack here does the same; the official code draws them from all classes); cover
-    samples come from the rest of the training set, any class. A grid that does not divide the
+    keeping the paper's 0.5 ratio. Payload samples come from all classes, as in the official code
+    (every dirty-label attack here does the same); cover samples come from the rest of the
+    training set, any class. A grid that does not divide the
     image gets bands that differ by one pixel (the official code requires a divisor). The
     pieces of each sample are drawn from the run's seeded generator, not Python's `random`.
     Every value against its source: docs/fidelity.md#adaptive-blend.

@@ -87,10 +87,16 @@ class Attack:
         raise NotImplementedError
 
     def eligible(self, y: Tensor) -> Tensor:
-        """Mask of samples this attack may poison: those whose target differs from their label
-        (dirty-label), or those already of the target class (clean-label)."""
-        targets = self.target_rule(y)
-        return targets == y if self.clean_label else targets != y
+        """Mask of samples this attack may poison: every sample (dirty-label), or those already of
+        the target class (clean-label).
+
+        Dirty-label attacks draw from all classes, target class included, as BackdoorBench
+        (`utils/backdoor_generate_poison_index.py`: all2one "no need to avoid target class img") and
+        backdoor-toolbox do; a chosen target-class image keeps its label and still carries the
+        trigger. See docs/fidelity.md, shared rules."""
+        if self.clean_label:
+            return self.target_rule(y) == y
+        return torch.ones_like(y, dtype=torch.bool)
 
     def poison_count(self, y: Tensor) -> int:
         """How many training samples are poisoned: round(poison_rate * N) of the whole set for
