@@ -46,11 +46,38 @@ class PgdSchema:
 
 
 @dataclass
+class ProbeSchema:
+    enabled: bool = True  # the query-based reactivation probe (QRA); needs the attack=none victim (cached)
+    eps: float = 0.06274509803921569  # 16/255, L_inf in pixel units
+    epochs: int = 50
+    alpha: float = 0.2
+    clean_count: int = 500
+    poison_count: int = 500
+    lr: float = 0.1
+    batch_size: int = 128
+    hidden: int = 1024
+
+
+@dataclass
+class ReactivationSchema:
+    enabled: bool = False  # post-purification robustness (Min et al., NeurIPS 2024), record["reactivation"]
+    clean_fraction: float = 0.02
+    poison_count: int = 5
+    epochs: int = 5
+    lr: float = 0.01
+    batch_size: int = 128
+    eval_every: int = 1
+    reference: bool = True  # also retune the undefended victim, as the reference curve
+    probe: ProbeSchema = field(default_factory=ProbeSchema)
+
+
+@dataclass
 class EvalSchema:
     stealth_images: int = 1000  # test images, a fixed seeded choice, for PSNR/SSIM/LPIPS/L_inf/L_2
     stealth_seed: int = 0  # fixed, not the run seed, so every run is measured on the same images
     lpips_weights: Optional[str] = None  # AlexNet ImageNet weights file; null = torch hub cache
     pgd: PgdSchema = field(default_factory=PgdSchema)
+    reactivation: ReactivationSchema = field(default_factory=ReactivationSchema)
 
 
 @dataclass

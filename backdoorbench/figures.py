@@ -10,7 +10,10 @@ under `<results_dir>/figures/`, one file per figure and dataset, with a panel (o
 3. Neural Cleanse anomaly index per class, threshold line at 2;
 4. STRIP entropy histograms, clean vs triggered test inputs;
 5. fine-pruning: CA and ASR vs fraction of channels pruned (before fine-tuning);
-6. GradCAM heatmaps of clean and poisoned inputs on the attacked model, with a colour bar.
+6. GradCAM heatmaps of clean and poisoned inputs on the attacked model, with a colour bar;
+7. post-purification robustness: ASR recovered by the retuning attack vs its fine-tuning steps
+   (eval.reactivation), a panel per attack, a curve per defense (mean ± std over seeds), the
+   undefended victim's curve as the reference.
 
 Figures 1 and 6 have a row per attack and mode, split into pages of ROWS_PER_PAGE rows
 (`<stem>_page<k>`); `attacks=` keeps only the attacks named, in files named after them
@@ -403,6 +406,51 @@ def gradcam_heatmaps(runs: list[Run], out: Path, residual_scale: float = 10.0, s
     return written
 
 
+UNDEFENDED = "no defense (victim)"
+
+
+def _reactivation_curves(runs: list[Run]) -> dict[str, dict[str, dict[str, dict[int, list[float]]]]]:
+    """dataset -> attack label -> curve name (a defense, or UNDEFENDED) -> seed -> ASR per step.
+    The victim's curve is the same in every run of a seed (one victim, one random stream): kept once."""
+    curves: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    for run in sorted(runs, key=lambda r: (r.record.seed, r.record.run_id)):
+        block = getattr(run.record, "reactivation", None) or {}
+        for part, name in (("defended", run.record.defense["name"]), ("attacked", UNDEFENDED)):
+            curve = block.get(part)
+            if isinstance(curve, dict) and curve.get("asr"):
+                curves[run.dataset][run.attack_label][name].setdefault(run.record.seed, (curve["steps"], curve["asr"]))
+    return curves
+
+
+def reactivation_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+    written = []
+    for dataset, by_attack in sorted(_reactivation_curves(runs).items()):
+        fig, axes, spare = _panels(len(by_attack))
+        names = sorted({name for by_name in by_attack.values() for name in by_name}, key=lambda n: (n != UNDEFENDED, n))
+        colours = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}
+        handles: dict[str, Any] = {}
+        for ax, (label, by_name) in zip(axes, sorted(by_attack.items())):
+            for name in sorted(by_name, key=lambda n: (n != UNDEFENDED, n)):
+                seeds = by_name[name]
+                # seeds share one budget in a sweep; a seed retuned with another budget is left out
+                steps = max((tuple(st) for st, _ in seeds.values()), key=lambda st: sum(tuple(x) == st for x, _ in seeds.values()))
+                values = np.array([asr for st, asr in seeds.values() if tuple(st) == steps], dtype=float) * 100
+                mean, std = values.mean(0), values.std(0, ddof=1) if len(values) > 1 else np.zeros(values.shape[1])
+                style = dict(color=colours[name], linestyle="--" if name == UNDEFENDED else "-", marker="o", markersize=3)
+                ax.plot(steps, mean, label=name, **style)
+                if len(values) > 1:
+                    ax.fill_between(steps, mean - std, mean + std, color=colours[name], alpha=0.2, linewidth=0)
+                handles.setdefault(name, Line2D([], [], label=name, **style))
+            ax.set_title(label, fontsize=9)
+            ax.set_xlabel("retuning steps (SGD)")
+            ax.set_ylabel("ASR % on the test set")
+            ax.set_ylim(-2, 102)
+        _shared_legend(fig, list(handles.values()), spare)
+        fig.suptitle(f"ASR recovered by the retuning attack vs steps, {dataset} (mean ± std over seeds)")
+        written += save_figure(fig, out, f"{dataset}_7_reactivation{suffix}")
+    return written
+
+
 @dataclass(frozen=True)
 class Figure:
     number: int
@@ -419,6 +467,8 @@ FIGURES = (
     Figure(4, "STRIP entropy histograms", strip_histograms, "attack=<name> defense=strip"),
     Figure(5, "fine-pruning CA/ASR vs fraction pruned", fine_pruning_curves, "attack=<name> defense=fine_pruning"),
     Figure(6, "GradCAM heatmaps", gradcam_heatmaps, "attack=<name> (any run with eval.stealth_images > 0)"),
+    Figure(7, "ASR vs retuning steps (reactivation)", reactivation_curves,
+           "--multirun attack=<name> defense=<name>,<name> eval.reactivation.enabled=true seed=0,1,2"),
 )
 
 

@@ -2,7 +2,7 @@
 
 Tables built from records only, per dataset: (a) attacks x target mode of the runs without a
 defense (CA, ASR, RA, PSNR, SSIM, LPIPS), (b) defenses x attacks (CA and ASR after the defense,
-DER, detection AUROC where the defense detects). Records that differ only in their seed (same
+DER, detection AUROC where the defense detects, ASR after the reactivation stage where measured). Records that differ only in their seed (same
 `group_id`) form one row: mean ± std over seeds, with n, flagged † when n < 3. Different settings
 of the same attack are different rows, labelled by what differs between them (e.g. `epochs=1`).
 One row per attack x mode (x defense) is *canonical*, the benchmark's protocol setting; the others
@@ -90,11 +90,20 @@ ATTACK_COLUMNS = (
     Column("ΔCA vs clean", "ca_vs_clean", lambda r: None, lambda v: f"{100 * v:+.2f}"),
 )
 CLEAN_ATTACK = "none"  # the clean control: the same training without a trigger (attack=none)
+def _reactivated_asr(record: RunRecord) -> float | None:
+    """ASR of the defended model after the last step of the retuning attack (eval.reactivation);
+    None when the run did not measure it, or measured only the undefended victim."""
+    block = getattr(record, "reactivation", None) or {}
+    curve = block.get("defended")
+    return curve["asr"][-1] if isinstance(curve, dict) and curve.get("asr") else None
+
+
 DEFENSE_COLUMNS = (
     Column("CA after %", "ca_after", _metric("defended", "clean_acc"), _pct),
     Column("ASR after %", "asr_after", _metric("defended", "asr"), _pct),
     Column("DER", "der", lambda r: r.metrics.get("der"), lambda v: f"{v:.3f}"),
     Column("AUROC", "auroc", _auroc, lambda v: f"{v:.3f}"),
+    Column("ASR after reactivation %", "asr_reactivated", _reactivated_asr, _pct),
 )
 
 
@@ -398,6 +407,10 @@ GLOSSARY = (
     ("after", "measured on the model the defense returns (CA after, ASR after)."),
     ("DER", "defense effectiveness rate, in [0, 1]: [max(0, ΔASR) − max(0, ΔCA) + 1] / 2 with Δ = before − after; "
             "0.5 = nothing changed, 1 = backdoor removed at no cost in CA."),
+    ("reactivation", "ASR after reactivation: the defended model's ASR after the retuning attack of Min et al. "
+                     "(NeurIPS 2024): a few fine-tuning steps on a small training subset holding a few poisoned samples "
+                     "(eval.reactivation; budget in the record). Near the clean floor: the backdoor is gone; near the "
+                     "attacked ASR: it was only hidden. – where the run did not measure it."),
     ("AUROC", "in [0, 1]: how well the defense's scores separate poisoned from clean (training samples for the data "
               "detectors, test inputs for STRIP); 0.5 = chance; – for a defense that does not detect."),
     ("ΔCA vs clean", "in percentage points: the row's CA minus that of the clean control (attack none) trained the "
@@ -597,6 +610,8 @@ dl.terms dt { font-weight: 600; } dl.terms dd { margin: 0; }
 
 
 def _term(header: str) -> str:
+    if "reactivation" in header:
+        return "reactivation"
     return "ΔCA vs clean" if header.startswith("ΔCA") else header.split()[0]
 
 

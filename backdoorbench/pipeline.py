@@ -36,6 +36,7 @@ from backdoorbench.defenses.runner import run_defense
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
+from backdoorbench.metrics.reactivation import ProbeBudget, RetuningBudget, measure_reactivation
 from backdoorbench.metrics.robustness import pgd_accuracy
 from backdoorbench.metrics.stealth import stealth_metrics
 from backdoorbench.models.base import Normalized
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # Each random stream gets its own generator so that, e.g., changing the defense never changes
 # which samples were poisoned.
-STREAMS = {"poison": 1, "train": 2, "clean_subset": 3, "defense": 4, "defense_train": 5, "attack": 6}
+STREAMS = {"poison": 1, "train": 2, "clean_subset": 3, "defense": 4, "defense_train": 5, "attack": 6, "reactivation": 7}
 
 
 def stream(seed: int, name: str) -> torch.Generator:
@@ -81,6 +82,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"attack.target={target!r} is out of range; use an integer class index >= 0")
     checks.integer("eval", "stealth_images", cfg.eval.stealth_images, 0, hint="0 = skip")
     _check_pgd(cfg.eval.pgd)
+    _check_reactivation(cfg)
     _check_device(cfg.device)
     _dry_build(cfg)
     ensure_writable_dir(cfg.results_dir)  # last: it makes the folder, which a refused run must not
@@ -93,6 +95,33 @@ def _check_pgd(pgd: DictConfig) -> None:
     checks.number("eval.pgd", "step_size", pgd.step_size, 0, low_open=True, allow_none=True, hint="null = 2.5 * eps / steps")
     checks.integer("eval.pgd", "images", pgd.images, 1)
     checks.integer("eval.pgd", "seed", pgd.seed, 0)
+
+
+def reactivation_budgets(node: DictConfig) -> tuple[RetuningBudget, ProbeBudget]:
+    """The `eval.reactivation` settings as the two budgets; each bad value is one ConfigError line."""
+    settings = OmegaConf.to_container(node, resolve=True)
+    probe = settings.pop("probe")
+    for key in ("enabled", "reference"):
+        settings.pop(key)
+    return RetuningBudget(**settings), ProbeBudget(**probe)
+
+
+def _check_reactivation(cfg: DictConfig) -> None:
+    """The reactivation settings, checked even while off (as PGD's), and, where the dataset's config
+    says how many training samples there are, whether the retuning set can hold its poison."""
+    budget, _ = reactivation_budgets(cfg.eval.reactivation)
+    spec = dataset_spec(cfg.dataset)
+    labels = spec.train_labels() if spec is not None else None
+    if labels is not None:
+        budget.set_size(len(labels))
+
+
+def run_config_hash(config: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
+    """The run id's hash: `config_hash` without the non-result keys, and without `eval.reactivation`
+    while it is off, so that a run without the stage keeps the id it had before the stage existed."""
+    reactivation = (config.get("eval") or {}).get("reactivation") or {}
+    off = () if reactivation.get("enabled") else ("eval.reactivation",)
+    return config_hash(config, NON_RESULT_KEYS + off + drop)
 
 
 def _check_device(device: str) -> None:
@@ -336,8 +365,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     validate_config(cfg)
     git_commit()  # read now: the commit this process's code came from, even if HEAD moves later
     config = OmegaConf.to_container(cfg, resolve=True)
-    run_id = config_hash(config, NON_RESULT_KEYS)
-    group_id = config_hash(config, NON_RESULT_KEYS + ("seed",))
+    run_id = run_config_hash(config)
+    group_id = run_config_hash(config, ("seed",))
     results_dir = Path(cfg.results_dir).expanduser()
     seed = cfg.seed
     timings: dict[str, float] = {}
@@ -407,6 +436,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         der = defense_effectiveness_rating(attacked, defended)
         defense_info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)),
                         "extras": outcome.extras}
+    reactivation = None
+    if cfg.eval.reactivation.enabled:
+        with timed(timings, "reactivation"):
+            reactivation = run_reactivation(cfg, config, run_id, data, attack, trainer, results_dir, model,
+                                            repaired if defended is not None else None,
+                                            defense_info if defense is not None else None)
     timings["total"] = round(time.perf_counter() - started, 4)
 
     record = RunRecord(
@@ -435,6 +470,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         env=environment(trainer.device),
         config=config,
         overrides=list(overrides or []),
+        reactivation=reactivation,
     )
     if not distributed.is_main():
         return record, None
@@ -444,6 +480,50 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         logger.log_summary(record.to_dict())
         logger.finish(path)
     return record, path
+
+
+def clean_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack,
+                 trainer, results_dir: Path) -> Normalized:
+    """The `attack=none` victim of the run's setting (same dataset, model, trainer, seed, target rule):
+    from the victim cache, or trained here and cached, as `python -m backdoorbench attack=none` would."""
+    clean_attack = {"_target_": "backdoorbench.attacks.none.NoAttack", "target_mode": attack.target_mode,
+                    "target": cfg.attack.get("target", 0) if cfg.attack.get("target") is not None else 0,
+                    "poison_rate": None}
+    clean_config = {**config, "attack": clean_attack}
+    clean_cfg = OmegaConf.create(clean_config)
+    none = build(clean_cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
+    on_epoch, trainer.on_epoch = trainer.on_epoch, None  # its epochs are not this run's
+    try:
+        with torch.random.fork_rng(devices=[]):  # the run's own draws stay as without the probe
+            _, _, model = obtain_victim(clean_cfg, clean_config, f"{run_id}-clean", data, none, trainer, {}, results_dir)
+    finally:
+        trainer.on_epoch = on_epoch
+    return model
+
+
+def run_reactivation(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack, trainer,
+                     results_dir: Path, victim: Normalized, repaired, defense_info: dict[str, Any] | None) -> dict[str, Any]:
+    """The record's `reactivation` block (backdoorbench.metrics.reactivation): RA and QRA on the model
+    the defense returned (on the victim when there is no defense), RA on the victim as the reference."""
+    budget, probe = reactivation_budgets(cfg.eval.reactivation)
+    if getattr(attack, "triggerless", False):  # attack=none: there is no trigger to re-learn
+        return {"protocol": "skipped", "skipped": "attack=none has no trigger to reactivate"}
+    if defense_info is None:
+        subject, subject_is, reference = victim, "attacked", None
+    elif repaired is not None:
+        subject, subject_is = repaired, "defended"
+        reference = victim if cfg.eval.reactivation.reference else None
+    else:  # an input-level detector, or a defense that does not apply: the model is the victim itself
+        why = defense_info.get("not_applicable") or f"defense {defense_info['name']} returns no model to retune"
+        subject, subject_is, reference = victim, "attacked", None
+        log.info("reactivation: %s; measured on the undefended victim only", why)
+    block = measure_reactivation(
+        subject=subject, subject_is=subject_is, reference=reference, trainer=trainer, attack=attack, train=data.train,
+        test=data.test, budget=budget, probe=probe, generator=stream(cfg.seed, "reactivation"),
+        clean_model=lambda: clean_victim(cfg, config, run_id, data, attack, trainer, results_dir))
+    if subject_is == "attacked" and defense_info is not None:
+        block["note"] = why
+    return block
 
 
 def write_new_record(record: RunRecord, artifacts: dict[str, Any], folder: Path) -> Path:
@@ -464,6 +544,26 @@ def write_new_record(record: RunRecord, artifacts: dict[str, Any], folder: Path)
             continue
 
 
+def reactivation_lines(block: dict[str, Any] | None) -> list[str]:
+    """The summary's lines for the reactivation stage: ASR before and after the retuning attack, per model."""
+    if not block:
+        return []
+    if "skipped" in block:
+        return [f"reactivation: skipped ({block['skipped']})"]
+    budget = block["budget"]
+    lines = [f"reactivation (retuning attack: {budget['poison_count']} poisoned of {budget['set_size']} samples, "
+             f"{budget['steps']} steps, lr {budget['lr']:g}):"]
+    for name in ("defended", "attacked"):
+        curve = block.get(name)
+        if curve is None:
+            continue
+        probe = curve.get("probe")
+        extra = f"; query-based probe ASR {probe['asr']:.2%} (clean model {probe['asr_clean_model']:.2%})" if probe else ""
+        lines.append(f"  {name}: ASR {curve['asr'][0]:.2%} -> {curve['asr'][-1]:.2%}, CA {curve['ca'][0]:.2%} -> "
+                     f"{curve['ca'][-1]:.2%}{extra}")
+    return lines
+
+
 def summary_table(record: RunRecord, path: Path) -> str:
     """The short table printed at the end of a run."""
     rows = [("attacked", record.metrics["attacked"])]
@@ -477,6 +577,7 @@ def summary_table(record: RunRecord, path: Path) -> str:
         lines.append(f"DER {record.metrics['der']:.4f}")
     if record.defense.get("applicable") is False:
         lines.append(f"defense {record.defense['name']}: not applicable ({record.defense['not_applicable']})")
+    lines += reactivation_lines(record.reactivation)
     attack = record.attack
     target = f" target {attack['target']}" if attack["target"] is not None else ""
     # Data-poisoning attacks rewrite at least one training sample (a rate that poisons none is an

@@ -16,7 +16,7 @@ from backdoorbench.fileio import atomic_write_text, write_new_bytes
 
 SCHEMA_VERSION = 1
 METRIC_KEYS = ("clean_acc", "asr", "ra")
-OPTIONAL_FIELDS = {"victim", "artifacts", "repeat"}  # added within schema 1; records written before them lack them
+OPTIONAL_FIELDS = {"victim", "artifacts", "repeat", "reactivation"}  # added within schema 1; records written before them lack them
 # The files of one run beside each other: the record, its artifacts, its epoch log.
 RUN_FILE_SUFFIXES = (".json", ".npz", ".epochs.csv")
 
@@ -48,6 +48,10 @@ class RunRecord:
     # The same config run again (another machine, another thread count) keeps its own record beside
     # the first: repeat n >= 2 is `<run_id>.<n>.json`. The leaderboard counts the highest repeat.
     repeat: int = 1
+    # Post-purification robustness (eval.reactivation, backdoorbench.metrics.reactivation): the
+    # retuning curves {"steps", "asr", "ca", "probe"} of the "defended" (or "attacked") model and the
+    # budget; null when the stage was off. Absent in older records.
+    reactivation: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,10 +118,31 @@ def validate_record(data: Any) -> None:
     repeat = data.get("repeat", 1)
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise RecordError(f"repeat must be an integer >= 1, got {repeat!r}")
+    _check_reactivation(data.get("reactivation"))
     artifacts = data.get("artifacts")
     if artifacts is not None and (not isinstance(artifacts, str) or not artifacts.endswith(".npz")
                                   or Path(artifacts).name != artifacts or artifacts.startswith(".")):
         raise RecordError(f"artifacts must be null or the name of an .npz file beside the record, got {artifacts!r}")
+
+
+def _check_reactivation(block: Any) -> None:
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise RecordError("reactivation must be an object or null")
+    for model in ("defended", "attacked"):
+        curve = block.get(model)
+        if curve is None:
+            continue
+        if not isinstance(curve, dict) or not all(isinstance(curve.get(k), list) for k in ("steps", "asr", "ca")):
+            raise RecordError(f"reactivation.{model} must be an object with the lists steps, asr, ca")
+        if not len(curve["steps"]) == len(curve["asr"]) == len(curve["ca"]) or not curve["steps"]:
+            raise RecordError(f"reactivation.{model}: steps, asr and ca must be non-empty and of one length")
+        for key in ("asr", "ca"):
+            for i, value in enumerate(curve[key]):
+                _check_fraction(f"reactivation.{model}.{key}[{i}]", value)
+        for key, value in (curve.get("probe") or {}).items():
+            _check_fraction(f"reactivation.{model}.probe.{key}", value)
 
 
 def save_record(record: RunRecord, path: str | Path, *, exclusive: bool = False) -> Path:

@@ -2,6 +2,7 @@
 Long figures split into pages with no blank band, row labels that don't collide, colour bars on the
 heat maps, a log poison-rate axis, legends off the curves, titles that name attack and setting."""
 
+import json
 import shutil
 
 import numpy as np
@@ -25,10 +26,16 @@ def copy_runs(tiny_results, tmp_path):
 
 def test_every_figure_is_drawn_from_real_runs(tiny_results, tmp_path):
     results = copy_runs(tiny_results, tmp_path)
+    # the reactivation curves (eval.reactivation, off in the tiny runs): one record given a measured block
+    source = next(path for record, path in load_records_with_paths(results) if record.defense["name"] == "fine_pruning")
+    data = json.loads(source.read_text())
+    data["reactivation"] = {"budget": {}, "defended": {"steps": [0, 1], "asr": [0.1, 0.5], "ca": [0.9, 0.9]},
+                            "attacked": {"steps": [0, 1], "asr": [1.0, 1.0], "ca": [0.9, 0.9]}}
+    source.write_text(json.dumps(data))
     skipped = []
     written = write_figures(results, report=skipped.append)
     assert skipped == []
-    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6]
+    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6, 7]
     for number, paths in written.items():
         assert sorted(p.suffix for p in paths) == [".pdf", ".png"], number  # one attack: one page
         png, pdf = sorted(paths, key=lambda p: p.suffix, reverse=True)
@@ -45,7 +52,7 @@ def test_missing_data_gives_one_skip_line_per_figure_with_the_command(tmp_path, 
                 tmp_path / "runs" / "mnist5k" / "badnets_all2one" / "r.json")
     assert main([f"results_dir={tmp_path}"]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 6 and all(line.startswith("skipped figure ") for line in lines)
+    assert len(lines) == 7 and all(line.startswith("skipped figure ") for line in lines)
     assert lines[2].endswith(f"make it with: python -m backdoorbench attack=<name> defense=neural_cleanse results_dir={tmp_path}")
     assert "attack.poison_rate=0.01,0.05,0.1" in lines[1] and "defense=strip" in lines[3] and "defense=fine_pruning" in lines[4]
     assert not any((tmp_path / "figures").iterdir())
