@@ -31,7 +31,7 @@ STAGE1_CLASSIFIER_LOSSES = ("combined", "true_labels")
 
 class LIRA(TrainingAttack):
     """LIRA (Doan, Lao, Zhao, Li, "LIRA: Learnable, Imperceptible and Robust Backdoor Attacks",
-    ICCV 2021). Sources and values: docs/fidelity.md, section lira.
+    ICCV 2021). Sources and values: docs/fidelity.md#lira.
 
     A trigger generator T adds eps * tanh-noise to the image. Stage I trains T and the classifier
     f jointly; stage II fine-tunes f with T frozen. Per batch in stage I: T takes an Adam step on
