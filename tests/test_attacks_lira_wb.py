@@ -15,12 +15,14 @@ from omegaconf import OmegaConf
 
 from backdoorbench.attacks.lira import LIRA
 from backdoorbench.attacks.trigger_nets import (
+    ColourAutoencoder,
     MnistAutoencoder,
     UNet,
     build_trigger_generator,
 )
 from backdoorbench.attacks.wb import WB, sliced_wasserstein, wasserstein_1d
 from backdoorbench.datasets.base import Split
+from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.models.base import Normalized
 from backdoorbench.models.mnist_cnn import MnistCNN
@@ -40,8 +42,9 @@ def make_split(n: int = 32, seed: int = 0) -> Split:
     return Split(images, torch.arange(n) % 4)
 
 
-def make_trainer(epochs: int = 1) -> Trainer:
-    return Trainer(epochs=epochs, batch_size=16, optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+def make_trainer(epochs: int = 1, **optimizer) -> Trainer:
+    return Trainer(epochs=epochs, batch_size=16,
+                   optimizer=partial(torch.optim.SGD, **{"lr": 0.05, "momentum": 0.9, **optimizer}),
                    device="cpu", progress=False)
 
 
@@ -67,7 +70,8 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_generators_keep_shape_range_and_depend_on_the_input():
     for net, shape in ((MnistAutoencoder(1, 4), (3, 1, 28, 28)), (MnistAutoencoder(1, 2), (3, 1, 16, 16)),
-                       (UNet(3, 4), (3, 3, 32, 32)), (UNet(3, 2), (3, 3, 28, 28))):
+                       (UNet(3, 4), (3, 3, 32, 32)), (UNet(3, 2), (3, 3, 28, 28)),
+                       (ColourAutoencoder(3, 4), (3, 3, 32, 32)), (ColourAutoencoder(3, 2), (3, 3, 28, 28))):
         x = torch.rand(*shape, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             for _ in range(30):  # batch-norm statistics as after a few training steps; then eval mode
@@ -77,9 +81,31 @@ def test_generators_keep_shape_range_and_depend_on_the_input():
         assert (out[0] - out[1]).abs().max() > 1e-4  # input-specific, not one fixed pattern
 
 
+def conv_layout(net: torch.nn.Module, kind: type) -> list[tuple[int, int, tuple[int, int]]]:
+    """(in, out, stride) of each layer of type `kind`, in order."""
+    return [(m.in_channels, m.out_channels, m.stride) for m in net.modules() if type(m) is kind]
+
+
+@pytest.mark.parametrize("kind", ["auto", "autoencoder"])
+@pytest.mark.parametrize("side", [32, 64])
+def test_colour_autoencoder_is_the_official_stride_two_16_32_64_128(kind, side):
+    # khoadoan106/backdoor_attacks python/attack_models/autoencoders.py `Autoencoder`, BackdoorBench's
+    # attack/lira.py `Autoencoder(channels)`: four stride-2 4x4 convs down, four transposed back.
+    net = build_trigger_generator(kind, (3, side, side))
+    assert conv_layout(net, torch.nn.Conv2d) == [(3, 16, (2, 2)), (16, 32, (2, 2)), (32, 64, (2, 2)), (64, 128, (2, 2))]
+    assert conv_layout(net, torch.nn.ConvTranspose2d) == [(128, 64, (2, 2)), (64, 32, (2, 2)), (32, 16, (2, 2)),
+                                                          (16, 3, (2, 2))]
+    assert all(m.kernel_size == (4, 4) for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.ConvTranspose2d)))
+    assert sum(p.numel() for p in net.parameters()) == 346_659  # the official net's count
+    with torch.no_grad():
+        assert net.eval()(torch.rand(2, 3, side, side)).shape == (2, 3, side, side)
+
+
 def test_generator_choice_follows_channels_and_rejects_bad_names():
     assert isinstance(build_trigger_generator("auto", (1, 28, 28)), MnistAutoencoder)
-    assert isinstance(build_trigger_generator("auto", (3, 32, 32), width=4), UNet)
+    assert isinstance(build_trigger_generator("mnist_autoencoder", (3, 28, 28), width=4), MnistAutoencoder)
+    assert isinstance(build_trigger_generator("autoencoder", (1, 28, 28), width=4), ColourAutoencoder)
+    assert isinstance(build_trigger_generator("unet", (3, 32, 32), width=4), UNet)
     with pytest.raises(ConfigError, match="attack.generator='vae'"):
         build_trigger_generator("vae", (1, 28, 28))
     with pytest.raises(ConfigError, match="generator_width"):
@@ -88,7 +114,8 @@ def test_generator_choice_follows_channels_and_rejects_bad_names():
 
 @pytest.mark.parametrize("field,value", [("eps", 0.0), ("eps", 1.5), ("test_eps", -0.1), ("alpha", 1.0),
                                          ("stage1_epochs", 0), ("generator_lr", 0.0), ("lookahead", "yes"),
-                                         ("stage1_classifier", "robust")])
+                                         ("stage1_classifier", "robust"), ("stage1_lr", 0.0),
+                                         ("stage1_momentum", 1.0)])
 def test_bad_parameters_raise_one_line_config_errors(field, value):
     with pytest.raises(ConfigError, match=f"attack.{field}=") as info:
         make_attack("lira", **{field: value})
@@ -162,6 +189,26 @@ def test_train_victim_runs_stage_one_once_then_only_injects():
     learned = state(attack.trigger_net)
     attack.train_victim(trainer, make_model(1), split, torch.Generator().manual_seed(0))
     assert same(learned, state(attack.trigger_net))
+
+
+def test_stage_one_trains_the_classifier_with_its_own_plain_sgd_at_a_constant_lr(tmp_path):
+    # Official stage I: optim.SGD(clsmodel.parameters(), lr=0.01, momentum=0.9), created once, no
+    # scheduler, no weight decay; stage II keeps the trainer's recipe (here lr 0.05, wd 5e-4, cosine).
+    attack, model, split = make_attack("lira", stage1_epochs=2), make_model(), make_split()
+    trainer = make_trainer(epochs=2, weight_decay=5e-4)
+    rows = []
+    trainer.on_epoch = rows.append
+    attack.train_victim(trainer, model, split, torch.Generator().manual_seed(0), checkpoint=tmp_path / "victim.pt")
+    assert [(r["stage"], r["lr"]) for r in rows] == [("lira stage I", 0.01), ("lira stage I", 0.01),
+                                                     ("lira stage II", 0.05), ("lira stage II", 0.025)]
+    # What a resumed stage I restores: SGD's state after its last epoch, momentum buffers included.
+    stage1 = torch.load(tmp_path / "victim.stage1.pt", weights_only=True)["optimizer"]
+    [group] = stage1["param_groups"]
+    assert (group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]) == (0.01, 0.9, 0.0, False)
+    assert stage1["state"] and all("momentum_buffer" in v for v in stage1["state"].values())
+    [group] = torch.load(tmp_path / "victim.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert group["weight_decay"] == 5e-4
+    assert attack._virtual_lr == 0.01  # the look-ahead's virtual step is stage I's SGD step too
 
 
 def test_lookahead_changes_the_generator_step():
@@ -343,6 +390,20 @@ def test_config_file_instantiates_the_attack(kind):
     assert isinstance(attack.trigger_net, MnistAutoencoder)
     x = torch.rand(2, 1, 28, 28)
     assert (attack.apply_trigger(x) - x).abs().max() <= attack.test_eps + 1e-6
+
+
+@pytest.mark.parametrize("dataset,expected", [("mnist", MnistAutoencoder), ("cifar10", UNet),
+                                              ("gtsrb", ColourAutoencoder), ("tiny_imagenet", ColourAutoencoder)])
+def test_each_dataset_gets_the_official_generator(dataset, expected, compose_cfg):
+    # the authors' create_models: MNIST -> MNISTAutoencoder, CIFAR-10 -> UNet, GTSRB and Tiny-ImageNet
+    # -> --attack_model, default autoencoder; without a preset, colour data gets the autoencoder too
+    # (that default, and BackdoorBench's choice on every dataset)
+    for overrides, want in (([f"paper=lira/{dataset}"], expected),
+                            ([f"dataset={dataset}"], MnistAutoencoder if dataset == "mnist" else ColourAutoencoder)):
+        cfg = compose_cfg(*overrides, "attack=lira")
+        spec = dataset_spec(cfg.dataset)
+        attack = instantiate(cfg.attack, num_classes=spec.num_classes, image_shape=spec.image_shape)
+        assert type(attack.trigger_net) is want, (overrides, type(attack.trigger_net).__name__)
 
 
 def test_wb_directions_come_from_the_last_linear_of_any_head():
