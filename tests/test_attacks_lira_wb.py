@@ -20,6 +20,7 @@ from backdoorbench.attacks.trigger_nets import (
     UNet,
     build_trigger_generator,
 )
+import backdoorbench.attacks.wb as wb_module
 from backdoorbench.attacks.wb import WB, sliced_wasserstein, wasserstein_1d
 from backdoorbench.datasets.base import Split
 from backdoorbench.datasets.spec import dataset_spec
@@ -129,6 +130,9 @@ def test_wb_rejects_unknown_reference_and_negative_beta():
         make_attack("wb", beta=-1.0)
     with pytest.raises(ConfigError, match="attack.wasserstein_order="):
         make_attack("wb", wasserstein_order=3)
+    with pytest.raises(ConfigError, match="attack.reference_bank=-1") as info:
+        make_attack("wb", reference_bank=-1)
+    assert "\n" not in str(info.value)
 
 
 # ----- the trigger bound ----------------------------------------------------------------------
@@ -349,6 +353,114 @@ def test_wb_regularizer_gradient_reaches_the_generator():
     with_reg = attack.generator_loss(model.eval(), x, y, xp, yp).detach()
     attack.beta = 0.0
     assert with_reg.item() > attack.generator_loss(model, x, y, xp, yp).item()
+
+
+# ----- the reference on many-class data (issue 13, finding 4) ---------------------------------
+
+# GTSRB's training split, images per class (39,209 in all; class 0, the usual target, has 210), and
+# Tiny-ImageNet's (500 in each of 200 classes).
+GTSRB_TRAIN_COUNTS = (210, 2220, 2250, 1410, 1980, 1860, 420, 1440, 1410, 1470, 2010, 1320, 2100, 2160, 780, 630,
+                      420, 1110, 1200, 210, 360, 330, 390, 510, 270, 1500, 600, 240, 540, 270, 450, 780, 240, 689,
+                      420, 1200, 390, 210, 2070, 300, 360, 240, 240)
+MANY_CLASSES = {"gtsrb": GTSRB_TRAIN_COUNTS, "tiny_imagenet": (500,) * 200}
+
+
+class LatentProbe(torch.nn.Module):
+    """The least a WB victim needs: features (16-d) and a linear classifier over them."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(SHAPE[1] * SHAPE[2], 16))
+        self.classifier = torch.nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def shuffled_label_batches(counts: tuple[int, ...], batches: int, batch_size: int = 128) -> list[torch.Tensor]:
+    """The labels of the first `batches` batches of one shuffled epoch with these class counts."""
+    labels = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    return [labels[order[i * batch_size:(i + 1) * batch_size]] for i in range(batches)]
+
+
+@pytest.mark.parametrize("stage", ["generator", "classifier"])
+@pytest.mark.parametrize("dataset", MANY_CLASSES)
+def test_wb_latent_term_is_active_and_broad_in_almost_every_batch_of_many_class_data(dataset, stage, monkeypatch):
+    # Class 0 (the target) is 0.5% of the data: a batch of 128 holds none about half the time and
+    # one or two otherwise, so a reference drawn from the batch alone is often empty and otherwise
+    # pulls every triggered latent onto one or two points.
+    counts = MANY_CLASSES[dataset]
+    references: list[list[torch.Tensor]] = []
+    real = wb_module.sliced_wasserstein
+
+    def spy(a, b, directions, p=2.0):
+        references[-1].append(b.detach().clone())
+        return real(a, b, directions, p)
+
+    monkeypatch.setattr(wb_module, "sliced_wasserstein", spy)
+    attack = WB(**{**COMMON, **SMALL, "num_classes": len(counts), "beta_classifier": 0.1})
+    model = LatentProbe(len(counts))
+    if stage == "classifier":
+        attack.freeze()  # stage II: the classifier's loss carries the term
+    x = torch.rand(128, *SHAPE, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for y in shuffled_label_batches(counts, 120):
+            references.append([])
+            x_poison, y_target = attack._poisoned_part(x, y)
+            if stage == "generator":
+                attack.generator_loss(model, x, y, x_poison, y_target)
+            else:
+                attack.classifier_loss(model, x, y, attack._triggered(x_poison, attack.test_eps), y_target)
+    active = [refs for refs in references if refs and len(refs[0]) > 0]
+    assert len(active) >= 0.95 * len(references), f"active in {len(active)} of {len(references)} batches"
+    # Not collapsed: once the bank has filled (about 93 batches at 0.7 target rows per batch), each
+    # reference holds dozens of distinct latents, not the batch's one or two.
+    late = [refs[0] for refs in references[-20:]]
+    assert all(len(torch.unique(ref, dim=0)) >= 32 for ref in late), [len(ref) for ref in late]
+
+
+def test_wb_reference_bank_survives_a_checkpoint_and_resets_for_a_new_victim():
+    def fill(attack, seeds):
+        g = torch.Generator().manual_seed(seeds)
+        directions = F.normalize(torch.randn(4, 5, generator=g), dim=1)
+        out = []
+        for _ in range(3):
+            clean, y = torch.randn(16, 5, generator=g), torch.randint(0, 4, (16,), generator=g)
+            out.append(attack.latent_term(torch.randn(8, 5, generator=g), torch.zeros(8, dtype=torch.long),
+                                          clean, y, directions))
+        return torch.stack(out)
+
+    attack = make_attack("wb", reference_bank=8)
+    fill(attack, 0)
+    assert attack.banked(0) is not None and len(attack.banked(0)) == 8  # a full ring buffer
+    buffer = io.BytesIO()
+    torch.save(attack.training_state(), buffer)  # what Trainer.fit writes with each epoch checkpoint
+    buffer.seek(0)
+    restored = make_attack("wb", reference_bank=8)
+    restored.load_training_state(torch.load(buffer, weights_only=True))
+    assert torch.equal(restored.banked(0), attack.banked(0))
+    assert torch.equal(fill(restored, 1), fill(attack, 1))  # and goes on exactly as the original
+    with pytest.raises(ValueError, match="reference_bank=4"):
+        make_attack("wb", reference_bank=4).load_training_state(attack.training_state())
+    # A state written before the bank existed loads with an empty bank.
+    old = {k: v for k, v in attack.training_state().items() if k != "reference_bank"}
+    restored.load_training_state(old)
+    assert restored.banked(0) is None
+
+    # train_victim starts a new victim: latents of the previous model are no reference for it.
+    sizes = []
+
+    def spy(step):
+        def wrapped(model, x, y):
+            banked = attack.banked(0)
+            sizes.append(0 if banked is None else len(banked))
+            return step(model, x, y)
+        return wrapped
+
+    attack.train_victim(make_trainer(), make_model(), make_split(), torch.Generator().manual_seed(0), wrap_step=spy)
+    assert sizes[0] == 0 and max(sizes) > 0
 
 
 # ----- persistence, determinism, config -------------------------------------------------------
