@@ -29,7 +29,7 @@ class TrainerSchema:
     milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
     gamma: float = 0.1
     augment: bool = True
-    amp: bool = True
+    precision: str = "auto"  # auto, bf16 or fp32 (backdoorbench/precision.py)
     channels_last: bool = True
     compile: bool = False
     progress: bool = True

@@ -122,7 +122,8 @@ def _dry_build(cfg: DictConfig) -> None:
             build(cfg.defense)
         if distributed.launched_world_size() <= 1:
             # Under torchrun building a Trainer joins the process group, with the run's device only.
-            build(cfg.trainer, device="cpu", crop_padding=cfg.dataset.get("crop_padding", 0), hflip=False)
+            build(cfg.trainer, device="cpu", crop_padding=cfg.dataset.get("crop_padding", 0), hflip=False,
+                  min_precision=attack.min_precision)
         channels, height, _ = spec.image_shape
         with torch.device("meta"), warnings.catch_warnings():  # shapes and names only: no memory, no init
             # model.weights are read and checked against the shapes; copying them into meta tensors
@@ -347,16 +348,21 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         data: ImageDataset = build(cfg.dataset)
     attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
     defense: Defense | None = build(cfg.defense) if cfg.defense is not None else None
-    trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
+    trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip,
+                    min_precision=attack.min_precision)
     # The logger starts (and may write, e.g. wandb's folder) once everything that can refuse the
     # run without training has.
     logger = build(cfg.logger) if cfg.logger is not None and distributed.is_main() else None
     if logger is not None:
         logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
+    if trainer.precision != attack.min_precision and attack.min_precision == "fp32":
+        log.warning("trainer.precision=%s rounds %s's faint trigger (it needs fp32); use trainer.precision=auto "
+                    "or fp32 for faithful numbers", trainer.precision, attack.name)
     excluded = defense.not_applicable(attack) if defense is not None else None  # the threat models' pairing
-    log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
-             data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)
+    log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s, precision %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
+             data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device,
+             trainer.precision)
 
     victim, poisoned, model = obtain_victim(cfg, config, run_id, data, attack, trainer, timings, results_dir)
     with timed(timings, "eval_attacked"):
@@ -432,7 +438,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         stealth=stealth,
         victim=victim,
         timings_s=timings,
-        env=environment(trainer.device),
+        env={**environment(trainer.device), "precision": trainer.precision},
         config=config,
         overrides=list(overrides or []),
     )

@@ -39,6 +39,7 @@ from backdoorbench import checks, distributed, progress
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save
+from backdoorbench.precision import precision_context, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class Trainer:
         augment: bool = True,
         crop_padding: int = 0,
         hflip: bool = False,
-        amp: bool = True,
+        precision: str = "auto",
+        min_precision: str = "bf16",
         channels_last: bool = True,
         compile: bool = False,
         progress: bool = True,
@@ -222,7 +224,9 @@ class Trainer:
         self.hflip = hflip
         self.device = resolve_device(device) if isinstance(device, str) else distributed.local_device(device)
         on_cuda = self.device.type == "cuda"
-        self.amp = amp and on_cuda  # bf16 autocast only where it pays off
+        # One precision for every forward pass of the run (training, evaluation, defenses);
+        # `min_precision` is the attack's (backdoorbench/precision.py).
+        self.precision = resolve_precision(precision, self.device.type, min_precision)
         # channels_last on CUDA only. On the CPU it made mnist_cnn ~20% faster per step, but torch
         # 2.14's CPU backward aborted the process (SIGABRT, no Python error) for Input-aware's
         # generators with resnet18 at 64 px (tests/test_presets.py); the CPU stays contiguous.
@@ -236,8 +240,10 @@ class Trainer:
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.device, memory_format=self.memory_format)
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+    def autocast(self):
+        """The run's precision as a context: every forward pass of training, evaluation and the
+        defenses runs inside it, so a trigger reaches the model alike in all of them."""
+        return precision_context(self.device.type, self.precision)
 
     def _compiled(self, model: nn.Module) -> nn.Module:
         """`model` itself, or a torch.compile wrapper sharing its parameters (`trainer.compile`).
@@ -348,7 +354,7 @@ class Trainer:
                         self.crop_padding,
                     )
                 x = to_float(batch).contiguous(memory_format=self.memory_format)
-                with self._autocast():
+                with self.autocast():
                     loss, logits, scored = run_step(x, labels[idx])
                 optimizer.zero_grad(set_to_none=True)
                 if world > 1 and (stop - start) * world != batch_stop - batch_start:
@@ -412,7 +418,7 @@ class Trainer:
             x = to_float(_to_device(images[start : start + self.eval_batch_size], self.device))
             if transform is not None:
                 x = transform(x)
-            with self._autocast():
+            with self.autocast():
                 out.append(net(x.contiguous(memory_format=self.memory_format)).argmax(1))
         return torch.cat(out).cpu() if out else torch.empty(0, dtype=torch.long)
 

@@ -333,7 +333,7 @@ def test_compiled_training_on_cuda_learns_like_eager():
     results = []
     for compile_flag in (False, True):
         model = tiny_net(0)
-        trainer = tiny_trainer(epochs=3, device="cuda", compile=compile_flag, amp=False)
+        trainer = tiny_trainer(epochs=3, device="cuda", compile=compile_flag, precision="fp32")
         history = trainer.fit(model, split, generator=torch.Generator().manual_seed(0))
         results.append((history[-1]["loss"], model.cpu()))
     (eager_loss, eager), (compiled_loss, compiled) = results

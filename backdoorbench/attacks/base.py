@@ -65,6 +65,9 @@ class Attack:
 
     name: ClassVar[str] = "attack"
     clean_label: ClassVar[bool] = False  # clean-label attacks poison target-class samples, labels kept
+    # The lowest precision whose rounding leaves the trigger's effect intact: trainer.precision=auto
+    # runs the whole run in it on CUDA (backdoorbench/precision.py). bf16 keeps 8 significant bits.
+    min_precision: ClassVar[str] = "bf16"
 
     def __init__(
         self,

@@ -74,7 +74,7 @@ class AngularMargin(Defense):
     is not squared; lambda = 100, s = 0.1 (their `leverage`, `scale`); BN sits right before tanh
     on the penultimate vector (their `dense` ends in BatchNorm1d, then `Tanh`, then
     `Linear(bias=False)`). Departures: the model is trained by the attacker's own procedure and
-    our trainer (SGD with weight decay, cosine schedule, bf16 on CUDA; the penalty itself is
+    our trainer (SGD with weight decay, cosine schedule, the run's precision; the penalty itself is
     computed in float32), not their Adam at lr 0.01 for 400 epochs; in our MNIST CNN the
     penultimate dropout sits between the last hidden linear layer and the BN.
     Its purpose here: to measure whether a margin on the classifier's weights alone, with no

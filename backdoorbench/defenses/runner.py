@@ -26,8 +26,11 @@ class DefenseOutcome:
 
 
 def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Split) -> DefenseOutcome:
-    """Apply `defense` to `ctx` and measure the defended model (or detector) on `test`."""
-    result = defense.apply(ctx)
+    """Apply `defense` to `ctx` and measure the defended model (or detector) on `test`. The defense
+    runs, and is scored, in the run's precision (`trainer.autocast()`), the one the victim was
+    trained and its CA measured in."""
+    with ctx.trainer.autocast():
+        result = defense.apply(ctx)
     outcome = _score(defense, result, ctx, attack, test)
 
     def measure(model: nn.Module) -> dict[str, float]:
@@ -89,8 +92,9 @@ def _score_input_defense(
             predictions.append(model(x).argmax(1).cpu())
         return torch.cat(scores), torch.cat(predictions)
 
-    clean_scores, clean_pred = scores_and_predictions(test.images, triggered=False)
-    bad_scores, bad_pred = scores_and_predictions(test.images[attackable], triggered=True)
+    with trainer.autocast():  # the precision of the CA these scores are compared with
+        clean_scores, clean_pred = scores_and_predictions(test.images, triggered=False)
+        bad_scores, bad_pred = scores_and_predictions(test.images[attackable], triggered=True)
     labels = test.labels[attackable]
     targets = attack.target_rule(labels)
     clean_ok = clean_scores <= defense.threshold
