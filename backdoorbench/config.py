@@ -29,6 +29,8 @@ class TrainerSchema:
     milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
     gamma: float = 0.1
     augment: bool = True
+    rotation: float = 0.0
+    rotation_p: float = 0.5
     amp: bool = True
     channels_last: bool = True
     compile: bool = False

@@ -345,7 +345,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     torch.manual_seed(seed)
     with timed(timings, "data"):
         data: ImageDataset = build(cfg.dataset)
-    attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
+    attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape, dataset=data.name)
     defense: Defense | None = build(cfg.defense) if cfg.defense is not None else None
     trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
     # The logger starts (and may write, e.g. wandb's folder) once everything that can refuse the
