@@ -372,6 +372,17 @@ def test_iad_uses_the_official_normaliser_of_each_dataset(dataset, std):
     assert explicit.diversity_std == (0.3,) * channels
 
 
+def test_the_pipeline_gives_input_aware_its_datasets_normaliser(compose_cfg):
+    from types import SimpleNamespace
+
+    from backdoorbench.pipeline import build_attack
+
+    cfg = compose_cfg("attack=input_aware", "attack.channels=4")
+    data = SimpleNamespace(num_classes=10, image_shape=(1, 28, 28), name="mnist5k")
+    attack = build_attack(cfg.attack, data)
+    assert attack.diversity_std == (0.5,) and attack.describe()["diversity_std"] == [0.5]
+
+
 def test_iad_mask_pretraining_and_joint_training_pass_the_normaliser(monkeypatch):
     import backdoorbench.attacks.input_aware as iad
 
