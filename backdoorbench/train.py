@@ -4,10 +4,10 @@ The whole training split lives on the training device as one uint8 tensor; each 
 batch, augments it with tensor ops (random crop with zero padding, horizontal flip where the
 dataset allows it, and random rotation when `rotation` > 0) and converts it to [0, 1] floats. A
 training-controlled attack whose official code augments after poisoning (WaNet) passes a `poison`
-hook: the batch is poisoned first, un-augmented, then augmented the same way. The epoch's shuffle and augmentation draws
-are made once per epoch on the CPU generator and moved to the device in one copy, and metrics
-are summed on the device, so the loop waits for the GPU only when a progress bar reads them
-(about eight times an epoch, on a terminal). Each epoch ends with one log line (loss, accuracy,
+hook: the batch is poisoned first, un-augmented, then augmented the same way. The epoch's shuffle
+and augmentation draws are made once per epoch on the CPU generator and moved to the device in one
+copy, and metrics are summed on the device, so the loop waits for the GPU only when a progress bar
+reads them (about eight times an epoch, on a terminal). Each epoch ends with one log line (loss, accuracy,
 lr, time) for the terminal and Hydra's log file, and one row for the run's logger (CSV, wandb).
 Training-time attacks and in-training defenses replace the per-batch loss through the `step`
 hook. `fit(..., checkpoint=path)` saves after every epoch and resumes from that file, bit-exactly
