@@ -30,6 +30,8 @@ class TrainerSchema:
     gamma: float = 0.1
     augment: bool = True
     precision: str = "auto"  # auto, bf16 or fp32 (backdoorbench/precision.py)
+    rotation: float = 0.0
+    rotation_p: float = 0.5
     channels_last: bool = True
     compile: bool = False
     progress: bool = True

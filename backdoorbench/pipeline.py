@@ -201,6 +201,11 @@ def build(node: Any, **kwargs: Any) -> Any:
         raise
 
 
+def build_attack(node: DictConfig, data: ImageDataset) -> Attack:
+    """The attack for `data`: its classes, image shape and name (Input-aware's normaliser is per dataset)."""
+    return build(node, num_classes=data.num_classes, image_shape=data.image_shape, dataset=data.name)
+
+
 def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normalized:
     """A fresh model of the configured architecture; `overrides` go to its constructor."""
     channels, height, _ = data.image_shape
@@ -346,7 +351,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     torch.manual_seed(seed)
     with timed(timings, "data"):
         data: ImageDataset = build(cfg.dataset)
-    attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
+    attack = build_attack(cfg.attack, data)
     defense: Defense | None = build(cfg.defense) if cfg.defense is not None else None
     trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip,
                     min_precision=attack.min_precision)

@@ -77,8 +77,12 @@ class Attack:
         target_mode: str = "all2one",
         target: int = 0,
         poison_rate: float = 0.1,
+        dataset: str | None = None,
     ) -> None:
         checks.number("attack", "poison_rate", poison_rate, 0, 1, low_open=True)
+        # The dataset's name (ImageDataset.name), passed by the pipeline like num_classes: for values
+        # an official code sets per dataset (Input-aware's normaliser). None: not known (a dry build).
+        self.dataset = dataset
         self.num_classes = num_classes
         self.image_shape = tuple(image_shape)
         self.target_rule = make_target_rule(target_mode, target, num_classes)
