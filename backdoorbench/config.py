@@ -45,7 +45,7 @@ class PgdSchema:
     random_start: bool = True  # uniform in the eps-ball
     losses: list[str] = field(default_factory=lambda: ["ce"])  # ce (cross-entropy), cw (Carlini-Wagner margin)
     transfer_from: Optional[str] = None  # attacked: also attack the defended model with the attacked model's examples
-    images: int = 1000  # first N test images
+    images: int = 1000  # test images: all when there are no more, else a choice seeded by `seed`
     seed: int = 0
 
 

@@ -207,12 +207,19 @@ def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normal
 
 
 def _pgd_images(data: ImageDataset, pgd_cfg: DictConfig):
-    test = data.test.subset(torch.arange(min(pgd_cfg.images, len(data.test))))
+    """`pgd_cfg.images` test images: all of them when there are no more, else a seeded choice
+    (not the first N: mnist5k's test split is sorted by class, so its first 50 are all zeros)."""
+    count = min(pgd_cfg.images, len(data.test))
+    if count == len(data.test):
+        pick = torch.arange(count)
+    else:
+        pick = torch.randperm(len(data.test), generator=torch.Generator().manual_seed(pgd_cfg.seed))[:count].sort().values
+    test = data.test.subset(pick)
     return test.float_images(), test.labels
 
 
 def measure_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.device, *, keep_examples: bool = False):
-    """L_inf PGD on the first `pgd_cfg.images` clean test images, at every eps and loss of
+    """L_inf PGD on `pgd_cfg.images` clean test images (`_pgd_images`), at every eps and loss of
     `pgd_cfg`: the metrics to record (`pgd`: a row per loss and eps; `pgd_acc` too when eps is
     one number and ce is among the losses, as before eps lists) and the adversarial images
     (with `keep_examples`, for a transfer attack)."""
