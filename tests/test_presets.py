@@ -138,7 +138,7 @@ def test_preflight_expands_a_presets_sweeps_and_reports_bad_values(conf_with):
         cli.preflight(["--multirun", "experiment=bad_attack"])
     with pytest.raises(ConfigError, match=r"^attack.poison_rate=1.5 is out of range"):
         cli.preflight(["--multirun", "experiment=bad_rate"])
-    with pytest.raises(ConfigError, match="^unknown paper 'lira/svhn'; choose one of: lira/cifar10, lira/gtsrb, lira/mnist"):
+    with pytest.raises(ConfigError, match="^unknown paper 'lira/svhn'; choose one of: angular_margin/mnist, lira/cifar10, lira/gtsrb, lira/mnist"):
         cli.preflight(["--multirun", "experiment=bad_paper"])
     cli.preflight(["--multirun", "experiment=bad_rate", "attack.poison_rate=0.2"])  # the command line replaces the sweep
     cli.preflight(["experiment=bad_rate"])  # without --multirun Hydra ignores the sweep, and so does preflight

@@ -40,7 +40,9 @@ def eps_list(eps: Any) -> list[float]:
 def check_settings(*, eps: Any, steps: Any, step_size: Any, rel_step_size: Any = None, losses: Any = ("ce",),
                    transfer_from: Any = None, group: str = "eval.pgd") -> None:
     """One ConfigError line for the first PGD setting that is wrong."""
-    if checks.is_number(eps) or eps is None or isinstance(eps, (str, bytes)):
+    if checks.is_number(eps):  # one radius, shown as a float as the typed config did (-1 -> -1.0)
+        checks.number(group, "eps", float(eps), 0, 1, hint="pixel units, one number or a list")
+    elif eps is None or isinstance(eps, (str, bytes)):
         checks.number(group, "eps", eps, 0, 1, hint="pixel units, one number or a list")
     else:
         values = list(eps)
