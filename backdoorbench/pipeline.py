@@ -36,7 +36,7 @@ from backdoorbench.defenses.runner import run_defense
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
-from backdoorbench.metrics.robustness import pgd_accuracy
+from backdoorbench.metrics.robustness import check_settings, eps_list, masking_suspects, robustness_curve, transfer_accuracy
 from backdoorbench.metrics.stealth import stealth_metrics
 from backdoorbench.models.base import Normalized
 from backdoorbench.records import RunRecord, next_repeat, repeat_path, save_record
@@ -88,9 +88,8 @@ def validate_config(cfg: DictConfig) -> None:
 
 def _check_pgd(pgd: DictConfig) -> None:
     """The PGD settings, checked even while PGD is off (turning it on later must not fail late)."""
-    checks.number("eval.pgd", "eps", pgd.eps, 0, 1, hint="pixel units")
-    checks.integer("eval.pgd", "steps", pgd.steps, 1)
-    checks.number("eval.pgd", "step_size", pgd.step_size, 0, low_open=True, allow_none=True, hint="null = 2.5 * eps / steps")
+    check_settings(eps=pgd.eps, steps=pgd.steps, step_size=pgd.step_size, rel_step_size=pgd.get("rel_step_size"),
+                   losses=pgd.get("losses", ["ce"]), transfer_from=pgd.get("transfer_from"))
     checks.integer("eval.pgd", "images", pgd.images, 1)
     checks.integer("eval.pgd", "seed", pgd.seed, 0)
 
@@ -213,12 +212,36 @@ def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normal
     return Normalized(net, data.mean, data.std)
 
 
-def measure_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.device) -> float:
-    """L_inf PGD accuracy on the first `pgd_cfg.images` clean test images."""
+def _pgd_images(data: ImageDataset, pgd_cfg: DictConfig):
+    """`pgd_cfg.images` test images: all of them when there are no more, else a seeded choice
+    (not the first N: mnist5k's test split is sorted by class, so its first 50 are all zeros)."""
     count = min(pgd_cfg.images, len(data.test))
-    test = data.test.subset(torch.arange(count))
-    return pgd_accuracy(model, test.float_images(), test.labels, eps=pgd_cfg.eps, steps=pgd_cfg.steps,
-                        step_size=pgd_cfg.step_size, generator=torch.Generator().manual_seed(pgd_cfg.seed), device=device)
+    if count == len(data.test):
+        pick = torch.arange(count)
+    else:
+        pick = torch.randperm(len(data.test), generator=torch.Generator().manual_seed(pgd_cfg.seed))[:count].sort().values
+    test = data.test.subset(pick)
+    return test.float_images(), test.labels
+
+
+def measure_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.device, *, keep_examples: bool = False):
+    """L_inf PGD on `pgd_cfg.images` clean test images (`_pgd_images`), at every eps and loss of
+    `pgd_cfg`: the metrics to record (`pgd`: a row per loss and eps; `pgd_acc` too when eps is
+    one number and ce is among the losses, as before eps lists) and the adversarial images
+    (with `keep_examples`, for a transfer attack)."""
+    images, labels = _pgd_images(data, pgd_cfg)
+    rows, examples = robustness_curve(
+        model, images, labels, eps=eps_list(pgd_cfg.eps), losses=list(pgd_cfg.get("losses", ["ce"])),
+        steps=pgd_cfg.steps, step_size=pgd_cfg.step_size, rel_step_size=pgd_cfg.get("rel_step_size"),
+        random_start=pgd_cfg.get("random_start", True), seed=pgd_cfg.seed, device=device, keep_examples=keep_examples)
+    for row in masking_suspects(rows):
+        log.warning("PGD (%s) leaves %.1f%% accuracy at eps %g: at that radius a working attack leaves ~0; "
+                    "suspect gradient masking, not robustness", row["loss"], 100 * row["acc"], row["eps"])
+    metrics: dict[str, Any] = {"pgd": rows}
+    single = [r["acc"] for r in rows if r["loss"] == "ce"]
+    if checks.is_number(pgd_cfg.eps) and single:
+        metrics["pgd_acc"] = single[0]
+    return metrics, examples
 
 
 @torch.no_grad()
@@ -372,9 +395,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     victim, poisoned, model = obtain_victim(cfg, config, run_id, data, attack, trainer, timings, results_dir)
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
+    adversarial: dict = {}  # the attacked model's PGD images, kept for eval.pgd.transfer_from=attacked
     if cfg.eval.pgd.enabled:
         with timed(timings, "pgd_attacked"):
-            attacked["pgd_acc"] = measure_pgd(model, data, cfg.eval.pgd, trainer.device)
+            pgd_metrics, adversarial = measure_pgd(model, data, cfg.eval.pgd, trainer.device,
+                                                   keep_examples=cfg.eval.pgd.get("transfer_from") == "attacked")
+            attacked.update(pgd_metrics)
     with timed(timings, "stealth"):
         stealth, examples = measure_stealth(attack, data, cfg.eval, trainer.device)
     if logger is not None and examples is not None:
@@ -414,7 +440,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         repaired = outcome.model
         if cfg.eval.pgd.enabled and repaired is not None:
             with timed(timings, "pgd_defended"):
-                defended["pgd_acc"] = measure_pgd(repaired, data, cfg.eval.pgd, trainer.device)
+                pgd_metrics, _ = measure_pgd(repaired, data, cfg.eval.pgd, trainer.device)
+                if adversarial:  # transfer: the attacked model's adversarial images, on the defended model
+                    images, labels = _pgd_images(data, cfg.eval.pgd)
+                    pgd_metrics["pgd"] += transfer_accuracy(repaired, images, labels, adversarial, source="attacked",
+                                                            device=trainer.device)
+                defended.update(pgd_metrics)
         der = defense_effectiveness_rating(attacked, defended)
         defense_info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)),
                         "extras": outcome.extras}

@@ -61,6 +61,10 @@ TINY_RUNS = {
     "neural_cleanse": ["trainer.epochs=0", "defense=neural_cleanse", "defense.epochs=2", "defense.unlearn_epochs=0"],
     "rate_0.05": ["trainer.epochs=0", "attack.poison_rate=0.05"],
     "rate_0.1": ["trainer.epochs=0", "attack.poison_rate=0.1"],
+    # the angular-margin paper's preset on mnist5k, its PGD shrunk: rows per eps, loss and source
+    **{f"angular_margin_{lam}": ["paper=angular_margin/mnist", "dataset=mnist5k", "attack=none", "defense=angular_margin",
+                                 f"defense.penalty_weight={lam}", "trainer.epochs=0", "eval.pgd.eps=[0.1,0.5]",
+                                 "eval.pgd.steps=2", "eval.pgd.images=20"] for lam in (0, 100)},
 }
 
 
