@@ -28,7 +28,7 @@ def test_every_figure_is_drawn_from_real_runs(tiny_results, tmp_path):
     skipped = []
     written = write_figures(results, report=skipped.append)
     assert skipped == []
-    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6]
+    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6, 7]
     for number, paths in written.items():
         assert sorted(p.suffix for p in paths) == [".pdf", ".png"], number  # one attack: one page
         png, pdf = sorted(paths, key=lambda p: p.suffix, reverse=True)
@@ -45,7 +45,7 @@ def test_missing_data_gives_one_skip_line_per_figure_with_the_command(tmp_path, 
                 tmp_path / "runs" / "mnist5k" / "badnets_all2one" / "r.json")
     assert main([f"results_dir={tmp_path}"]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 6 and all(line.startswith("skipped figure ") for line in lines)
+    assert len(lines) == 7 and all(line.startswith("skipped figure ") for line in lines)
     assert lines[2].endswith(f"make it with: python -m backdoorbench attack=<name> defense=neural_cleanse results_dir={tmp_path}")
     assert "attack.poison_rate=0.01,0.05,0.1" in lines[1] and "defense=strip" in lines[3] and "defense=fine_pruning" in lines[4]
     assert not any((tmp_path / "figures").iterdir())
