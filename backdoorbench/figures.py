@@ -15,6 +15,8 @@ under `<results_dir>/figures/`, one file per figure and dataset, with a panel (o
    mean ± std over seeds, a panel per PGD loss (CE, CW) and source (white-box, transferred from
    the attacked model): runs with eval.pgd.eps a list;
 8. the angular-margin defense: clean and PGD-CE accuracy vs lambda (penalty_weight).
+9. clean-data budget: CA after and ASR after vs the defender's clean fraction, a panel per
+   defense, attack, mode and setting (runs that differ only in `defense.clean_fraction` and seed).
 
 Figures 1 and 6 have a row per attack and mode, split into pages of ROWS_PER_PAGE rows
 (`<stem>_page<k>`); `attacks=` keeps only the attacks named, in files named after them
@@ -545,6 +547,53 @@ def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10
         _shared_legend(fig, max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])), spare)
         fig.suptitle(f"Angular margin: clean and robust accuracy vs λ, {dataset} (mean ± std over seeds)")
         written += save_figure(fig, out, f"{dataset}_8_penalty_weight{suffix}")
+
+
+def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+    """Figure 9 (issue 18, protocol 4): how a defense's result depends on the clean data it holds."""
+    from backdoorbench.pipeline import config_hash
+
+    drop = NON_RESULT_KEYS + ("seed", "defense.clean_fraction")
+    series: dict[tuple[str, str, str, str], dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        defense = run.record.defense
+        if defense["name"] == "none" or run.record.metrics.get("defended") is None or "clean_fraction" not in defense:
+            continue
+        key = (run.dataset, defense["name"], run.record.attack["name"], run.record.attack["target_mode"])
+        series[key][config_hash(run.record.config, drop)].append(run)
+    panels: dict[str, list[tuple[str, list[Run]]]] = defaultdict(list)
+    for (dataset, defense, attack, mode), by_setting in sorted(series.items()):
+        kept = [members for _, members in sorted(by_setting.items())
+                if len({m.record.defense["clean_fraction"] for m in members}) >= 2]
+        labels = setting_labels([members[0].record.config for members in kept])
+        for members, label in zip(kept, labels):
+            label = ", ".join(part for part in label.split(", ") if not part.startswith("clean_fraction="))
+            title = f"{defense} vs {attack} {mode}\n{_training(members[0].record.config)}" + (f"; {label}" if label else "")
+            panels[dataset].append((title, members))
+    written = []
+    for dataset, chosen in sorted(panels.items()):
+        fig, axes, spare = _panels(len(chosen))
+        for ax, (title, members) in zip(axes, chosen):
+            by_budget: dict[float, list[RunRecord]] = defaultdict(list)
+            for m in members:
+                by_budget[float(m.record.defense["clean_fraction"])].append(m.record)
+            budgets = sorted(by_budget)
+            for metric, style, name in (("clean_acc", "o-", "CA after"), ("asr", "s--", "ASR after")):
+                values = [[r.metrics["defended"][metric] for r in by_budget[b]] for b in budgets]
+                mean = np.array([np.mean(v) for v in values])
+                std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
+                ax.errorbar(budgets, 100 * mean, yerr=100 * std, fmt=style, capsize=3, label=name)
+            # budgets span orders of magnitude (0.5% .. 10%): a log axis keeps the small ones apart
+            ax.set_xscale("log")
+            ax.set_xticks(budgets, [f"{100 * b:g}%" for b in budgets])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("defense.clean_fraction (log scale)")
+            ax.set_ylabel("% on the test set")
+            ax.set_ylim(-2, 102)
+        _shared_legend(fig, axes[0], spare)
+        fig.suptitle(f"CA and ASR after the defense vs its clean-data budget, {dataset} (mean ± std over seeds)")
+        written += save_figure(fig, out, f"{dataset}_9_clean_budget{suffix}")
     return written
 
 
@@ -567,6 +616,8 @@ FIGURES = (
     Figure(7, "robust accuracy vs eps", robust_accuracy_curves, "--multirun experiment=angular_margin_xu2020"),
     Figure(8, "angular margin: clean and robust accuracy vs lambda", penalty_weight_curves,
            "--multirun experiment=angular_margin_xu2020"),
+    Figure(9, "CA/ASR after vs clean-data budget", clean_budget_curves,
+           "--multirun experiment=clean_budget attack=<name> seed=0,1,2"),
 )
 
 

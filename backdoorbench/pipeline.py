@@ -32,7 +32,7 @@ from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
-from backdoorbench.defenses.runner import run_defense
+from backdoorbench.defenses.runner import benign_false_positives, run_defense
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
@@ -407,7 +407,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         logger.log_images("clean_vs_poisoned", examples)
     artifacts = example_artifacts(model, examples, trainer) if examples is not None else {}  # figures' data
 
-    defended = der = detection = None
+    defended = der = detection = benign = defense_cost = None
     defense_info: dict[str, Any] = {"name": "none"}
     if defense is not None and excluded is not None:  # decided before any defense work: nothing is run
         log.info("defense %s does not apply to %s: %s", defense.name, attack.name, excluded)
@@ -447,6 +447,11 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
                                                             device=trainer.device)
                 defended.update(pgd_metrics)
         der = defense_effectiveness_rating(attacked, defended)
+        defense_cost = outcome.cost
+        if getattr(attack, "triggerless", False):  # attack=none: whatever a detector flags is a false positive
+            benign = benign_false_positives(defense, outcome, len(poisoned.split))
+            if benign is not None:
+                benign["ca_drop"] = attacked["clean_acc"] - defended["clean_acc"]
         defense_info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)),
                         "extras": outcome.extras}
     timings["total"] = round(time.perf_counter() - started, 4)
@@ -477,6 +482,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         env={**environment(trainer.device), "precision": trainer.precision},
         config=config,
         overrides=list(overrides or []),
+        defense_cost=defense_cost,
+        benign=benign,
     )
     if not distributed.is_main():
         return record, None
