@@ -29,7 +29,9 @@ class TrainerSchema:
     milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
     gamma: float = 0.1
     augment: bool = True
-    amp: bool = True
+    precision: str = "auto"  # auto, bf16 or fp32 (backdoorbench/precision.py)
+    rotation: float = 0.0
+    rotation_p: float = 0.5
     channels_last: bool = True
     compile: bool = False
     progress: bool = True
@@ -38,10 +40,14 @@ class TrainerSchema:
 @dataclass
 class PgdSchema:
     enabled: bool = False  # L_inf PGD robust accuracy of the attacked (and defended) model
-    eps: float = 0.3  # pixel units; 0.3 is the usual MNIST radius
+    eps: Any = 0.3  # pixel units, one radius or a list; 0.3 is the usual MNIST radius
     steps: int = 40
-    step_size: Optional[float] = None  # null = 2.5 * eps / steps
-    images: int = 1000  # first N test images
+    step_size: Optional[float] = None  # pixel units; null = rel_step_size * eps
+    rel_step_size: Optional[float] = None  # a fraction of eps (foolbox's rel_stepsize); null = 2.5 / steps
+    random_start: bool = True  # uniform in the eps-ball
+    losses: list[str] = field(default_factory=lambda: ["ce"])  # ce (cross-entropy), cw (Carlini-Wagner margin)
+    transfer_from: Optional[str] = None  # attacked: also attack the defended model with the attacked model's examples
+    images: int = 1000  # test images: all when there are no more, else a choice seeded by `seed`
     seed: int = 0
 
 

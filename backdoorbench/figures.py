@@ -11,9 +11,15 @@ under `<results_dir>/figures/`, one file per figure and dataset, with a panel (o
 4. STRIP entropy histograms, clean vs triggered test inputs;
 5. fine-pruning: CA and ASR vs fraction of channels pruned (before fine-tuning);
 6. GradCAM heatmaps of clean and poisoned inputs on the attacked model, with a colour bar;
-7. post-purification robustness: ASR recovered by the retuning attack vs its fine-tuning steps
-   (eval.reactivation), a panel per attack, a curve per defense (mean ± std over seeds), the
-   undefended victim's curve as the reference.
+7. robust accuracy vs L_inf eps, a curve per model (the attacked one and each defended setting),
+   mean ± std over seeds, a panel per PGD loss (CE, CW) and source (white-box, transferred from
+   the attacked model): runs with eval.pgd.eps a list;
+8. the angular-margin defense: clean and PGD-CE accuracy vs lambda (penalty_weight).
+9. clean-data budget: CA after and ASR after vs the defender's clean fraction, a panel per
+   defense, attack, mode and setting (runs that differ only in `defense.clean_fraction` and seed).
+10. post-purification robustness: ASR recovered by the retuning attack vs its fine-tuning steps
+    (eval.reactivation), a panel per attack, a curve per defense (mean ± std over seeds), the
+    undefended victim's curve as the reference.
 
 Figures 1 and 6 have a row per attack and mode, split into pages of ROWS_PER_PAGE rows
 (`<stem>_page<k>`); `attacks=` keeps only the attacks named, in files named after them
@@ -406,6 +412,193 @@ def gradcam_heatmaps(runs: list[Run], out: Path, residual_scale: float = 10.0, s
     return written
 
 
+PGD_PANELS = {("ce", "self"): "PGD, cross-entropy", ("cw", "self"): "PGD, CW margin",
+              ("ce", "attacked"): "PGD-CE, transferred from the attacked model",
+              ("cw", "attacked"): "PGD-CW, transferred from the attacked model"}
+
+
+def _pgd_rows(run: Run, which: str) -> list[dict[str, Any]]:
+    block = run.record.metrics.get(which) or {}
+    rows = block.get("pgd")
+    return rows if isinstance(rows, list) else []
+
+
+def _model_curves(runs: list[Run]) -> dict[str, dict[str, dict[int, tuple[Run, str]]]]:
+    """dataset -> curve label -> seed -> (run, "attacked" | "defended"): one curve per model
+    setting. The attacked model of a run is one curve per victim setting (the runs of one sweep
+    share it, so it is counted once per seed); a defended model, one per setting of the run."""
+    from backdoorbench.pipeline import config_hash
+
+    found: dict[str, dict[tuple[str, str], dict[int, tuple[Run, str]]]] = defaultdict(lambda: defaultdict(dict))
+    for run in sorted(runs, key=lambda r: (r.record.seed, r.record.run_id)):
+        config, seed = run.record.config, run.record.seed
+        if _pgd_rows(run, "attacked"):
+            victim = {key: config.get(key) for key in ("dataset", "model", "attack", "trainer", "eval")}
+            key = ("attacked", config_hash(victim, NON_RESULT_KEYS + ("eval.lpips_weights",)))
+            found[run.dataset][key].setdefault(seed, (run, "attacked"))
+        if _pgd_rows(run, "defended"):
+            key = ("defended", config_hash(config, NON_RESULT_KEYS + ("seed",)))
+            found[run.dataset][key].setdefault(seed, (run, "defended"))
+    curves: dict[str, dict[str, dict[int, tuple[Run, str]]]] = {}
+    for dataset, by_key in sorted(found.items()):
+        labelled: dict[str, dict[int, tuple[Run, str]]] = {}
+        def order(item) -> tuple:  # the attacked model first, then the defended ones by name and lambda
+            (kind, digest), by_seed = item
+            run = next(iter(by_seed.values()))[0]
+            lam = _lambda_of(run) if kind == "defended" else 0.0
+            return kind != "attacked", run.record.defense["name"], 0.0 if math.isnan(lam) else lam, digest
+
+        for (kind, digest), by_seed in sorted(by_key.items(), key=order):
+            run = next(iter(by_seed.values()))[0]
+            model = run.record.model.get("name", "?")
+            if kind == "attacked":
+                attack = run.record.attack["name"]
+                label = f"attacked model ({model}" + (f", {attack})" if attack != "none" else ", plain)")
+            else:
+                defense = run.record.defense
+                label = defense["name"] + (f" λ={_lambda_of(run):g}" if "penalty_weight" in defense else "")
+            if label in labelled:
+                label = f"{label} [{digest[:6]}]"
+            labelled[label] = by_seed
+        curves[dataset] = labelled
+    return curves
+
+
+def _lambda_of(run: Run) -> float:
+    return float(run.record.defense.get("penalty_weight", math.nan))
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def robust_accuracy_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+    """Robust accuracy vs eps, one curve per model (mean ± std over seeds), a panel per PGD loss
+    and source (white-box, or transferred from the attacked model); curves need >= 2 eps."""
+    written = []
+    for dataset, curves in _model_curves(runs).items():
+        panels: dict[tuple[str, str], list[tuple[str, list[float], list[float], list[float], int]]] = defaultdict(list)
+        for label, by_seed in curves.items():
+            per_seed = [{(r["loss"], r["source"], float(r["eps"])): float(r["acc"]) for r in _pgd_rows(run, which)}
+                        for run, which in by_seed.values()]
+            for loss, source in sorted({(loss, source) for rows in per_seed for loss, source, _ in rows}):
+                radii = sorted({eps for rows in per_seed for l, s, eps in rows if (l, s) == (loss, source)})
+                if len(radii) < 2:
+                    continue
+                stats = [_mean_std([rows[(loss, source, e)] for rows in per_seed if (loss, source, e) in rows]) for e in radii]
+                panels[(loss, source)].append((label, radii, [m for m, _ in stats], [sd for _, sd in stats], len(per_seed)))
+        if not panels:
+            continue
+        order = sorted(panels, key=lambda k: (k[1] != "self", k[0]))
+        fig, axes, spare = _panels(len(order))
+        for ax, key in zip(axes, order):
+            for label, radii, mean, std, n in panels[key]:
+                ax.errorbar(radii, 100 * np.array(mean), yerr=100 * np.array(std), fmt="o-", capsize=3,
+                            label=f"{label} (n={n})")
+            ax.set_title(PGD_PANELS.get(key, f"PGD-{key[0]}, from {key[1]}"), fontsize=9)
+            ax.set_xlabel("L_inf radius eps (pixel units)")
+            ax.set_ylabel("robust accuracy (%)")
+            ax.set_ylim(-2, 102)
+        _shared_legend(fig, max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])), spare)
+        fig.suptitle(f"Robust accuracy vs eps, {dataset} (mean ± std over seeds)")
+        written += save_figure(fig, out, f"{dataset}_7_robust_accuracy{suffix}")
+    return written
+
+
+def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+    """Clean and white-box PGD-CE accuracy of angular-margin models vs lambda (penalty_weight),
+    mean ± std over seeds, a panel per setting; needs >= 2 lambdas."""
+    from backdoorbench.pipeline import config_hash
+
+    settings: dict[str, dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        if run.record.defense["name"] != "angular_margin" or not _pgd_rows(run, "defended"):
+            continue
+        settings[run.dataset][config_hash(run.record.config, NON_RESULT_KEYS + ("seed", "defense.penalty_weight"))].append(run)
+    written = []
+    for dataset, by_setting in sorted(settings.items()):
+        chosen = [members for _, members in sorted(by_setting.items()) if len({_lambda_of(m) for m in members}) >= 2]
+        if not chosen:
+            continue
+        fig, axes, spare = _panels(len(chosen))
+        for ax, members in zip(axes, chosen):
+            by_lambda: dict[float, list[Run]] = defaultdict(list)
+            for m in members:
+                by_lambda[_lambda_of(m)].append(m)
+            lambdas = sorted(by_lambda)
+            series = {"clean": [[m.record.metrics["defended"]["clean_acc"] for m in by_lambda[lam]] for lam in lambdas]}
+            radii = sorted({float(r["eps"]) for m in members for r in _pgd_rows(m, "defended")
+                            if r["loss"] == "ce" and r["source"] == "self"})
+            for eps in radii:
+                series[f"PGD-CE eps={eps:g}"] = [[r["acc"] for m in by_lambda[lam] for r in _pgd_rows(m, "defended")
+                                                  if r["loss"] == "ce" and r["source"] == "self" and float(r["eps"]) == eps]
+                                                 for lam in lambdas]
+            for name, values in series.items():
+                kept = [(lam, v) for lam, v in zip(lambdas, values) if v]
+                stats = [_mean_std(v) for _, v in kept]
+                ax.errorbar([lam for lam, _ in kept], [100 * m for m, _ in stats], yerr=[100 * sd for _, sd in stats],
+                            fmt="s--" if name == "clean" else "o-", capsize=3, label=name)
+            # lambda spans 0 and several decades: linear up to 1, logarithmic above
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_xticks(lambdas, [f"{lam:g}" for lam in lambdas])
+            ax.xaxis.set_minor_locator(NullLocator())
+            n = sorted({len(v) for v in by_lambda.values()})
+            ax.set_title(f"{_training(members[0].record.config)}; seeds per λ: {'/'.join(map(str, n))}", fontsize=9)
+            ax.set_xlabel("λ (penalty_weight), symlog axis")
+            ax.set_ylabel("accuracy (%)")
+            ax.set_ylim(-2, 102)
+        _shared_legend(fig, max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])), spare)
+        fig.suptitle(f"Angular margin: clean and robust accuracy vs λ, {dataset} (mean ± std over seeds)")
+        written += save_figure(fig, out, f"{dataset}_8_penalty_weight{suffix}")
+
+
+def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+    """Figure 9 (issue 18, protocol 4): how a defense's result depends on the clean data it holds."""
+    from backdoorbench.pipeline import config_hash
+
+    drop = NON_RESULT_KEYS + ("seed", "defense.clean_fraction")
+    series: dict[tuple[str, str, str, str], dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        defense = run.record.defense
+        if defense["name"] == "none" or run.record.metrics.get("defended") is None or "clean_fraction" not in defense:
+            continue
+        key = (run.dataset, defense["name"], run.record.attack["name"], run.record.attack["target_mode"])
+        series[key][config_hash(run.record.config, drop)].append(run)
+    panels: dict[str, list[tuple[str, list[Run]]]] = defaultdict(list)
+    for (dataset, defense, attack, mode), by_setting in sorted(series.items()):
+        kept = [members for _, members in sorted(by_setting.items())
+                if len({m.record.defense["clean_fraction"] for m in members}) >= 2]
+        labels = setting_labels([members[0].record.config for members in kept])
+        for members, label in zip(kept, labels):
+            label = ", ".join(part for part in label.split(", ") if not part.startswith("clean_fraction="))
+            title = f"{defense} vs {attack} {mode}\n{_training(members[0].record.config)}" + (f"; {label}" if label else "")
+            panels[dataset].append((title, members))
+    written = []
+    for dataset, chosen in sorted(panels.items()):
+        fig, axes, spare = _panels(len(chosen))
+        for ax, (title, members) in zip(axes, chosen):
+            by_budget: dict[float, list[RunRecord]] = defaultdict(list)
+            for m in members:
+                by_budget[float(m.record.defense["clean_fraction"])].append(m.record)
+            budgets = sorted(by_budget)
+            for metric, style, name in (("clean_acc", "o-", "CA after"), ("asr", "s--", "ASR after")):
+                values = [[r.metrics["defended"][metric] for r in by_budget[b]] for b in budgets]
+                mean = np.array([np.mean(v) for v in values])
+                std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
+                ax.errorbar(budgets, 100 * mean, yerr=100 * std, fmt=style, capsize=3, label=name)
+            # budgets span orders of magnitude (0.5% .. 10%): a log axis keeps the small ones apart
+            ax.set_xscale("log")
+            ax.set_xticks(budgets, [f"{100 * b:g}%" for b in budgets])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("defense.clean_fraction (log scale)")
+            ax.set_ylabel("% on the test set")
+            ax.set_ylim(-2, 102)
+        _shared_legend(fig, axes[0], spare)
+        fig.suptitle(f"CA and ASR after the defense vs its clean-data budget, {dataset} (mean ± std over seeds)")
+        written += save_figure(fig, out, f"{dataset}_9_clean_budget{suffix}")
+
+
 UNDEFENDED = "no defense (victim)"
 
 
@@ -447,7 +640,7 @@ def reactivation_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
             ax.set_ylim(-2, 102)
         _shared_legend(fig, list(handles.values()), spare)
         fig.suptitle(f"ASR recovered by the retuning attack vs steps, {dataset} (mean ± std over seeds)")
-        written += save_figure(fig, out, f"{dataset}_7_reactivation{suffix}")
+        written += save_figure(fig, out, f"{dataset}_10_reactivation{suffix}")
     return written
 
 
@@ -467,7 +660,12 @@ FIGURES = (
     Figure(4, "STRIP entropy histograms", strip_histograms, "attack=<name> defense=strip"),
     Figure(5, "fine-pruning CA/ASR vs fraction pruned", fine_pruning_curves, "attack=<name> defense=fine_pruning"),
     Figure(6, "GradCAM heatmaps", gradcam_heatmaps, "attack=<name> (any run with eval.stealth_images > 0)"),
-    Figure(7, "ASR vs retuning steps (reactivation)", reactivation_curves,
+    Figure(7, "robust accuracy vs eps", robust_accuracy_curves, "--multirun experiment=angular_margin_xu2020"),
+    Figure(8, "angular margin: clean and robust accuracy vs lambda", penalty_weight_curves,
+           "--multirun experiment=angular_margin_xu2020"),
+    Figure(9, "CA/ASR after vs clean-data budget", clean_budget_curves,
+           "--multirun experiment=clean_budget attack=<name> seed=0,1,2"),
+    Figure(10, "ASR vs retuning steps (reactivation)", reactivation_curves,
            "--multirun attack=<name> defense=<name>,<name> eval.reactivation.enabled=true seed=0,1,2"),
 )
 

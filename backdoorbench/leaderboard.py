@@ -90,6 +90,22 @@ ATTACK_COLUMNS = (
     Column("ΔCA vs clean", "ca_vs_clean", lambda r: None, lambda v: f"{100 * v:+.2f}"),
 )
 CLEAN_ATTACK = "none"  # the clean control: the same training without a trigger (attack=none)
+def _cost_seconds(record: RunRecord) -> float | None:
+    """The defense's counted seconds; a record made before the cost was counted: its defense stage's."""
+    cost = record.defense_cost or {}
+    return cost.get("seconds", record.timings_s.get("defense"))
+
+
+def _cost(name: str) -> Callable[[RunRecord], float | None]:
+    def read(record: RunRecord) -> float | None:
+        return (record.defense_cost or {}).get(name)
+    return read
+
+
+def _benign(record: RunRecord) -> float | None:
+    return (record.benign or {}).get("false_positive")
+
+
 def _reactivated_asr(record: RunRecord) -> float | None:
     """ASR of the defended model after the last step of the retuning attack (eval.reactivation);
     None when the run did not measure it, or measured only the undefended victim."""
@@ -104,6 +120,11 @@ DEFENSE_COLUMNS = (
     Column("DER", "der", lambda r: r.metrics.get("der"), lambda v: f"{v:.3f}"),
     Column("AUROC", "auroc", _auroc, lambda v: f"{v:.3f}"),
     Column("ASR after reactivation %", "asr_reactivated", _reactivated_asr, _pct),
+    Column("cost s", "cost_s", _cost_seconds, lambda v: f"{v:.1f}"),
+    Column("passes/img", "passes_per_img", _cost("passes_per_train_image"), lambda v: f"{v:.3g}"),
+    # Filled per row by build_rows from other rows: see benign_controls and sensitivity_spread.
+    Column("benign FP %", "benign_fp", _benign, _pct),
+    Column("ASR spread", "asr_spread", lambda r: None, lambda v: f"{100 * v:.2f}"),
 )
 
 
@@ -318,6 +339,8 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
             if budget not in (None, "official") and "budget=" not in label:  # a cut budget is always named
                 row.label = ", ".join(filter(None, [label, f"budget={budget}"]))
     clean_controls(rows)
+    benign_controls(rows)
+    sensitivity_spread(rows)
     mark_canonical(rows)
     rows.sort(key=lambda r: (r.dataset, r.table, r.defense, r.model, r.attack, r.target_mode, r.label, r.group_id))
     return rows
@@ -353,9 +376,50 @@ def clean_controls(rows: list[Row]) -> None:
         row.cells["ca_vs_clean"] = Cell(ca.mean - mean, (ca.std**2 + std**2) ** 0.5, ca.n)
 
 
+def _defense_key(row: Row) -> tuple[str, str, str, str]:
+    """A defense row's dataset, model, trainer and defense config: what its benign control shares."""
+    return (*_training_key(row), json.dumps(row.config.get("defense"), sort_keys=True))
+
+
+def benign_controls(rows: list[Row]) -> None:
+    """Fill each defense row's `benign_fp` from the row of the same defense (the same settings,
+    dataset, model and trainer) run against a clean victim (`attack=none`, whose records hold
+    `benign`): what the defense flags when there is nothing to find. No such run: no value."""
+    controls = {_defense_key(r): r.cells.get("benign_fp") for r in rows
+                if r.table == "defenses" and r.attack == CLEAN_ATTACK and r.cells.get("benign_fp")}
+    for row in rows:
+        if row.table == "defenses" and not isinstance(row.cells.get("benign_fp"), NotApplicable):
+            row.cells["benign_fp"] = controls.get(_defense_key(row))
+
+
+def sensitivity_spread(rows: list[Row]) -> None:
+    """Fill `asr_spread` of a defense row at its defaults: max - min of the mean ASR after over the
+    rows that differ from it only in the keys its sensitivity sweep varies (protocols.SENSITIVITY),
+    when there are at least two settings. How far the defense's result moves with its own knobs."""
+    from backdoorbench.pipeline import config_hash
+    from backdoorbench.protocols import SENSITIVITY, at_defaults
+
+    sweeps: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.table != "defenses" or isinstance(row.cells.get("asr_spread"), NotApplicable):
+            continue
+        row.cells["asr_spread"] = None
+        keys = tuple(f"defense.{key}" for key in SENSITIVITY.get(row.defense, ()))
+        if keys and isinstance(row.cells.get("asr_after"), Cell):
+            sweeps[config_hash(row.config, NON_RESULT_KEYS + ("seed",) + keys)].append(row)
+    for members in sweeps.values():
+        if len(members) < 2:
+            continue
+        means = [m.cells["asr_after"].mean for m in members]
+        for row in members:
+            if at_defaults(row.config.get("defense"), row.defense):
+                row.cells["asr_spread"] = Cell(max(means) - min(means), 0.0, row.n)
+
+
 def mark_canonical(rows: list[Row]) -> None:
     """Set `canonical` on one row per (table, dataset, model, attack, mode, defense): among its
-    settings, the one with the most seeds, the newest of those on a tie (a protocol rerun at more
+    settings, the one with the most seeds, then the one at the defense's defaults of the keys its
+    sensitivity sweep varies, the newest of those on a tie (a protocol rerun at more
     seeds or a later setting supersedes); the other settings are sweeps and earlier protocols.
     A clean control (`attack=none` without a defense) is canonical when a canonical attack row is
     compared with it (same dataset, model and trainer), so there can be one per training budget."""
@@ -364,8 +428,13 @@ def mark_canonical(rows: list[Row]) -> None:
         row.canonical = False
         if not (row.table == "attacks" and row.attack == CLEAN_ATTACK):
             peers[(row.table, row.dataset, row.model, row.attack, row.target_mode, row.defense)].append(row)
+    from backdoorbench.protocols import at_defaults
+
+    def at_default(row: Row) -> bool:  # of a sensitivity sweep's rows, the one at the defense's defaults
+        return row.table == "defenses" and at_defaults(row.config.get("defense"), row.defense)
+
     for members in peers.values():
-        max(members, key=lambda r: (r.n, r.created_at, r.group_id)).canonical = True
+        max(members, key=lambda r: (r.n, at_default(r), r.created_at, r.group_id)).canonical = True
     compared = {_training_key(r) for r in rows if r.canonical and r.table == "attacks"}
     for row in rows:
         if row.table == "attacks" and row.attack == CLEAN_ATTACK:
@@ -397,8 +466,8 @@ def _key_values(row: Row) -> list[str]:
 
 
 TABLES = (("attacks", "Attacks (no defense)", ATTACK_COLUMNS), ("defenses", "Defenses", DEFENSE_COLUMNS))
-UNITS = ("CA, ASR, RA in %; ΔCA vs clean in points; PSNR in dB; SSIM, LPIPS, DER and AUROC in [0, 1]; "
-         "'after' = after the defense.")
+UNITS = ("CA, ASR, RA, benign FP in %; ΔCA vs clean and ASR spread in points; PSNR in dB; SSIM, LPIPS, DER and "
+         "AUROC in [0, 1]; cost in seconds and passes per training image; 'after' = after the defense.")
 GLOSSARY = (
     ("CA", "clean accuracy: % of the clean test set classified correctly."),
     ("ASR", "attack success rate: % of the triggered test images whose label differs from the target that are "
@@ -413,6 +482,18 @@ GLOSSARY = (
                      "attacked ASR: it was only hidden. – where the run did not measure it."),
     ("AUROC", "in [0, 1]: how well the defense's scores separate poisoned from clean (training samples for the data "
               "detectors, test inputs for STRIP); 0.5 = chance; – for a defense that does not detect."),
+    ("cost", "cost s: the seconds of the defense's own work (not its scoring) on the machine that ran it; the "
+             "defense stage's time in older records. Machines differ: passes/img compares across them."),
+    ("passes/img", "images passed forward plus backward through the model during the defense, per training image "
+                   "(a fine-tuning epoch on 5% clean data: 0.1); the record also holds FLOPs."),
+    ("benign", "benign FP, in %: what the defense flags on a clean victim (attack none) with the same settings: "
+               "Neural Cleanse 100 if it flags any class, else 0; STRIP the share of clean test inputs rejected; "
+               "Spectral and AC the share of the clean training set removed; – where no such run was made "
+               "(python -m backdoorbench --multirun experiment=benign)."),
+    ("spread", "ASR spread, in points, on a defense's row at its default settings: max − min ASR after over the "
+               "rows that differ from it only in the hyper-parameter its sensitivity sweep varies (e.g. Neural "
+               "Cleanse's anomaly threshold; python -m backdoorbench --multirun experiment=sensitivity_<defense>): "
+               "large = fragile; – where no sweep was run."),
     ("ΔCA vs clean", "in percentage points: the row's CA minus that of the clean control (attack none) trained the "
                      "same way (dataset, model, trainer); – where no such control was run."),
     ("PSNR", "peak signal-to-noise ratio of triggered vs clean test images, in dB (higher: less visible)."),
@@ -432,7 +513,8 @@ GLOSSARY = (
           "digits shown; (n=k) where only k of the row's runs have the value."),
     (FLAG, f"fewer than {FEW_SEEDS} seeds: read the spread with care."),
     ("canonical", "one row per attack x mode (x defense), the benchmark's protocol setting: of the rows of one "
-                  "attack and mode, the one with the most seeds, the newest on a tie. The others are sweeps and "
+                  "attack and mode, the one with the most seeds, then the one at the defense's defaults (of a "
+                  "sensitivity sweep), the newest on a tie. The others are sweeps and "
                   "earlier settings. A clean control is canonical when a canonical row is compared with it. "
                   "On the page, a blue bar marks the canonical rows."),
 )
@@ -612,7 +694,9 @@ dl.terms dt { font-weight: 600; } dl.terms dd { margin: 0; }
 def _term(header: str) -> str:
     if "reactivation" in header:
         return "reactivation"
-    return "ΔCA vs clean" if header.startswith("ΔCA") else header.split()[0]
+    if header.startswith("ΔCA"):
+        return "ΔCA vs clean"
+    return "spread" if header == "ASR spread" else header.split()[0]
 
 
 def _runs_cell(row: Row) -> str:

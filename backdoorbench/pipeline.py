@@ -32,12 +32,12 @@ from backdoorbench.config import NON_RESULT_KEYS
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
-from backdoorbench.defenses.runner import run_defense
+from backdoorbench.defenses.runner import benign_false_positives, run_defense
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
 from backdoorbench.metrics.reactivation import ProbeBudget, RetuningBudget, measure_reactivation
-from backdoorbench.metrics.robustness import pgd_accuracy
+from backdoorbench.metrics.robustness import check_settings, eps_list, masking_suspects, robustness_curve, transfer_accuracy
 from backdoorbench.metrics.stealth import stealth_metrics
 from backdoorbench.models.base import Normalized
 from backdoorbench.records import RunRecord, next_repeat, repeat_path, save_record
@@ -90,9 +90,8 @@ def validate_config(cfg: DictConfig) -> None:
 
 def _check_pgd(pgd: DictConfig) -> None:
     """The PGD settings, checked even while PGD is off (turning it on later must not fail late)."""
-    checks.number("eval.pgd", "eps", pgd.eps, 0, 1, hint="pixel units")
-    checks.integer("eval.pgd", "steps", pgd.steps, 1)
-    checks.number("eval.pgd", "step_size", pgd.step_size, 0, low_open=True, allow_none=True, hint="null = 2.5 * eps / steps")
+    check_settings(eps=pgd.eps, steps=pgd.steps, step_size=pgd.step_size, rel_step_size=pgd.get("rel_step_size"),
+                   losses=pgd.get("losses", ["ce"]), transfer_from=pgd.get("transfer_from"))
     checks.integer("eval.pgd", "images", pgd.images, 1)
     checks.integer("eval.pgd", "seed", pgd.seed, 0)
 
@@ -151,7 +150,8 @@ def _dry_build(cfg: DictConfig) -> None:
             build(cfg.defense)
         if distributed.launched_world_size() <= 1:
             # Under torchrun building a Trainer joins the process group, with the run's device only.
-            build(cfg.trainer, device="cpu", crop_padding=cfg.dataset.get("crop_padding", 0), hflip=False)
+            build(cfg.trainer, device="cpu", crop_padding=cfg.dataset.get("crop_padding", 0), hflip=False,
+                  min_precision=attack.min_precision)
         channels, height, _ = spec.image_shape
         with torch.device("meta"), warnings.catch_warnings():  # shapes and names only: no memory, no init
             # model.weights are read and checked against the shapes; copying them into meta tensors
@@ -229,6 +229,11 @@ def build(node: Any, **kwargs: Any) -> Any:
         raise
 
 
+def build_attack(node: DictConfig, data: ImageDataset) -> Attack:
+    """The attack for `data`: its classes, image shape and name (Input-aware's normaliser is per dataset)."""
+    return build(node, num_classes=data.num_classes, image_shape=data.image_shape, dataset=data.name)
+
+
 def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normalized:
     """A fresh model of the configured architecture; `overrides` go to its constructor."""
     channels, height, _ = data.image_shape
@@ -236,12 +241,36 @@ def build_model(cfg: DictConfig, data: ImageDataset, **overrides: Any) -> Normal
     return Normalized(net, data.mean, data.std)
 
 
-def measure_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.device) -> float:
-    """L_inf PGD accuracy on the first `pgd_cfg.images` clean test images."""
+def _pgd_images(data: ImageDataset, pgd_cfg: DictConfig):
+    """`pgd_cfg.images` test images: all of them when there are no more, else a seeded choice
+    (not the first N: mnist5k's test split is sorted by class, so its first 50 are all zeros)."""
     count = min(pgd_cfg.images, len(data.test))
-    test = data.test.subset(torch.arange(count))
-    return pgd_accuracy(model, test.float_images(), test.labels, eps=pgd_cfg.eps, steps=pgd_cfg.steps,
-                        step_size=pgd_cfg.step_size, generator=torch.Generator().manual_seed(pgd_cfg.seed), device=device)
+    if count == len(data.test):
+        pick = torch.arange(count)
+    else:
+        pick = torch.randperm(len(data.test), generator=torch.Generator().manual_seed(pgd_cfg.seed))[:count].sort().values
+    test = data.test.subset(pick)
+    return test.float_images(), test.labels
+
+
+def measure_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.device, *, keep_examples: bool = False):
+    """L_inf PGD on `pgd_cfg.images` clean test images (`_pgd_images`), at every eps and loss of
+    `pgd_cfg`: the metrics to record (`pgd`: a row per loss and eps; `pgd_acc` too when eps is
+    one number and ce is among the losses, as before eps lists) and the adversarial images
+    (with `keep_examples`, for a transfer attack)."""
+    images, labels = _pgd_images(data, pgd_cfg)
+    rows, examples = robustness_curve(
+        model, images, labels, eps=eps_list(pgd_cfg.eps), losses=list(pgd_cfg.get("losses", ["ce"])),
+        steps=pgd_cfg.steps, step_size=pgd_cfg.step_size, rel_step_size=pgd_cfg.get("rel_step_size"),
+        random_start=pgd_cfg.get("random_start", True), seed=pgd_cfg.seed, device=device, keep_examples=keep_examples)
+    for row in masking_suspects(rows):
+        log.warning("PGD (%s) leaves %.1f%% accuracy at eps %g: at that radius a working attack leaves ~0; "
+                    "suspect gradient masking, not robustness", row["loss"], 100 * row["acc"], row["eps"])
+    metrics: dict[str, Any] = {"pgd": rows}
+    single = [r["acc"] for r in rows if r["loss"] == "ce"]
+    if checks.is_number(pgd_cfg.eps) and single:
+        metrics["pgd_acc"] = single[0]
+    return metrics, examples
 
 
 @torch.no_grad()
@@ -374,32 +403,40 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     torch.manual_seed(seed)
     with timed(timings, "data"):
         data: ImageDataset = build(cfg.dataset)
-    attack: Attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
+    attack = build_attack(cfg.attack, data)
     defense: Defense | None = build(cfg.defense) if cfg.defense is not None else None
-    trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
+    trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip,
+                    min_precision=attack.min_precision)
     # The logger starts (and may write, e.g. wandb's folder) once everything that can refuse the
     # run without training has.
     logger = build(cfg.logger) if cfg.logger is not None and distributed.is_main() else None
     if logger is not None:
         logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
+    if trainer.precision != attack.min_precision and attack.min_precision == "fp32":
+        log.warning("trainer.precision=%s rounds %s's faint trigger (it needs fp32); use trainer.precision=auto "
+                    "or fp32 for faithful numbers", trainer.precision, attack.name)
     excluded = defense.not_applicable(attack) if defense is not None else None  # the threat models' pairing
-    log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
-             data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device)
+    log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s, precision %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
+             data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device,
+             trainer.precision)
 
     victim, poisoned, model = obtain_victim(cfg, config, run_id, data, attack, trainer, timings, results_dir)
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
+    adversarial: dict = {}  # the attacked model's PGD images, kept for eval.pgd.transfer_from=attacked
     if cfg.eval.pgd.enabled:
         with timed(timings, "pgd_attacked"):
-            attacked["pgd_acc"] = measure_pgd(model, data, cfg.eval.pgd, trainer.device)
+            pgd_metrics, adversarial = measure_pgd(model, data, cfg.eval.pgd, trainer.device,
+                                                   keep_examples=cfg.eval.pgd.get("transfer_from") == "attacked")
+            attacked.update(pgd_metrics)
     with timed(timings, "stealth"):
         stealth, examples = measure_stealth(attack, data, cfg.eval, trainer.device)
     if logger is not None and examples is not None:
         logger.log_images("clean_vs_poisoned", examples)
     artifacts = example_artifacts(model, examples, trainer) if examples is not None else {}  # figures' data
 
-    defended = der = detection = None
+    defended = der = detection = benign = defense_cost = None
     defense_info: dict[str, Any] = {"name": "none"}
     if defense is not None and excluded is not None:  # decided before any defense work: nothing is run
         log.info("defense %s does not apply to %s: %s", defense.name, attack.name, excluded)
@@ -432,8 +469,18 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         repaired = outcome.model
         if cfg.eval.pgd.enabled and repaired is not None:
             with timed(timings, "pgd_defended"):
-                defended["pgd_acc"] = measure_pgd(repaired, data, cfg.eval.pgd, trainer.device)
+                pgd_metrics, _ = measure_pgd(repaired, data, cfg.eval.pgd, trainer.device)
+                if adversarial:  # transfer: the attacked model's adversarial images, on the defended model
+                    images, labels = _pgd_images(data, cfg.eval.pgd)
+                    pgd_metrics["pgd"] += transfer_accuracy(repaired, images, labels, adversarial, source="attacked",
+                                                            device=trainer.device)
+                defended.update(pgd_metrics)
         der = defense_effectiveness_rating(attacked, defended)
+        defense_cost = outcome.cost
+        if getattr(attack, "triggerless", False):  # attack=none: whatever a detector flags is a false positive
+            benign = benign_false_positives(defense, outcome, len(poisoned.split))
+            if benign is not None:
+                benign["ca_drop"] = attacked["clean_acc"] - defended["clean_acc"]
         defense_info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)),
                         "extras": outcome.extras}
     reactivation = None
@@ -467,10 +514,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         stealth=stealth,
         victim=victim,
         timings_s=timings,
-        env=environment(trainer.device),
+        env={**environment(trainer.device), "precision": trainer.precision},
         config=config,
         overrides=list(overrides or []),
         reactivation=reactivation,
+        defense_cost=defense_cost,
+        benign=benign,
     )
     if not distributed.is_main():
         return record, None

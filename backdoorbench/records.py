@@ -16,7 +16,8 @@ from backdoorbench.fileio import atomic_write_text, write_new_bytes
 
 SCHEMA_VERSION = 1
 METRIC_KEYS = ("clean_acc", "asr", "ra")
-OPTIONAL_FIELDS = {"victim", "artifacts", "repeat", "reactivation"}  # added within schema 1; records written before them lack them
+# added within schema 1; records written before them lack them
+OPTIONAL_FIELDS = {"victim", "artifacts", "repeat", "defense_cost", "benign", "reactivation"}
 # The files of one run beside each other: the record, its artifacts, its epoch log.
 RUN_FILE_SUFFIXES = (".json", ".npz", ".epochs.csv")
 
@@ -52,6 +53,12 @@ class RunRecord:
     # retuning curves {"steps", "asr", "ca", "probe"} of the "defended" (or "attacked") model and the
     # budget; null when the stage was off. Absent in older records.
     reactivation: dict[str, Any] | None = None
+    # The defense's compute (metrics/cost.py): seconds, forward/backward images, passes per
+    # training image, FLOPs; null without a defense and in older records.
+    defense_cost: dict[str, Any] | None = None
+    # On a clean victim (attack=none), what a detector flags anyway (defenses/runner.py
+    # benign_false_positives): {measure, false_positive in [0, 1], ca_drop, ...}; else null.
+    benign: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,6 +126,19 @@ def validate_record(data: Any) -> None:
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise RecordError(f"repeat must be an integer >= 1, got {repeat!r}")
     _check_reactivation(data.get("reactivation"))
+    cost = data.get("defense_cost")
+    if cost is not None:
+        if not isinstance(cost, dict):
+            raise RecordError("defense_cost must be an object or null")
+        for key, value in cost.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise RecordError(f"defense_cost.{key} must be a number >= 0 or null, got {value!r}")
+    benign = data.get("benign")
+    if benign is not None:
+        if not isinstance(benign, dict):
+            raise RecordError("benign must be an object or null")
+        _check_fraction("benign.false_positive", benign.get("false_positive"))
     artifacts = data.get("artifacts")
     if artifacts is not None and (not isinstance(artifacts, str) or not artifacts.endswith(".npz")
                                   or Path(artifacts).name != artifacts or artifacts.startswith(".")):

@@ -2,10 +2,12 @@
 
 The whole training split lives on the training device as one uint8 tensor; each step indexes a
 batch, augments it with tensor ops (random crop with zero padding, horizontal flip where the
-dataset allows it) and converts it to [0, 1] floats. The epoch's shuffle and augmentation draws
-are made once per epoch on the CPU generator and moved to the device in one copy, and metrics
-are summed on the device, so the loop waits for the GPU only when a progress bar reads them
-(about eight times an epoch, on a terminal). Each epoch ends with one log line (loss, accuracy,
+dataset allows it, and random rotation when `rotation` > 0) and converts it to [0, 1] floats. A
+training-controlled attack whose official code augments after poisoning (WaNet) passes a `poison`
+hook: the batch is poisoned first, un-augmented, then augmented the same way. The epoch's shuffle
+and augmentation draws are made once per epoch on the CPU generator and moved to the device in one
+copy, and metrics are summed on the device, so the loop waits for the GPU only when a progress bar
+reads them (about eight times an epoch, on a terminal). Each epoch ends with one log line (loss, accuracy,
 lr, time) for the terminal and Hydra's log file, and one row for the run's logger (CSV, wandb).
 Training-time attacks and in-training defenses replace the per-batch loss through the `step`
 hook. `fit(..., checkpoint=path)` saves after every epoch and resumes from that file, bit-exactly
@@ -39,6 +41,7 @@ from backdoorbench import checks, distributed, progress
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
 from backdoorbench.fileio import atomic_torch_save
+from backdoorbench.precision import precision_context, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +73,14 @@ def cross_entropy_step(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, 
     return F.cross_entropy(logits, y), logits, y
 
 
-def augment_batch(x: Tensor, generator: torch.Generator, crop_padding: int, hflip: bool) -> Tensor:
-    """Random crop after zero padding by `crop_padding` px, and random horizontal flips, per image."""
+def augment_batch(
+    x: Tensor, generator: torch.Generator, crop_padding: int, hflip: bool, rotation: float = 0.0, rotation_p: float = 0.5
+) -> Tensor:
+    """Random crop after zero padding by `crop_padding` px, and random horizontal flips, per image;
+    then, when `rotation` > 0, a random rotation (float images only) as `draw_rotation` says."""
     offsets, flips = draw_augmentation(len(x), generator, crop_padding, hflip)
-    return apply_augmentation(x, offsets, flips, crop_padding)
+    angles = draw_rotation(len(x), generator, rotation, rotation_p)
+    return rotate(apply_augmentation(x, offsets, flips, crop_padding), angles)
 
 
 def draw_augmentation(
@@ -105,6 +112,41 @@ def apply_augmentation(x: Tensor, offsets: Tensor | None, flips: Tensor | None, 
     if flips is not None:
         x = torch.where(_to_device(flips, x.device)[:, None, None, None], x.flip(3), x)
     return x
+
+
+def draw_rotation(count: int, generator: torch.Generator, degrees: float, p: float) -> Tensor | None:
+    """Rotation angles (count,) in degrees: uniform in [-degrees, degrees] for each image whose coin
+    (probability p) is set, 0 for the others; drawn on the CPU after the crop and flip draws. None
+    when rotation is off (degrees or p is 0): then nothing is drawn, so the generator's stream, and
+    every run without rotation, is as before rotation existed."""
+    if degrees <= 0 or p <= 0:
+        return None
+    coins = torch.rand(count, generator=generator) < p
+    angles = (torch.rand(count, generator=generator) * 2 - 1) * degrees
+    return torch.where(coins, angles, torch.zeros(()))
+
+
+def rotate(x: Tensor, angles: Tensor | None) -> Tensor:
+    """Rotate each float image of `x` about its centre by its angle (degrees), bilinearly, zeros
+    outside (as kornia's RandomRotation, which the WaNet and LIRA code use); images whose angle is
+    0 come back unchanged. `angles` None: `x` itself."""
+    if angles is None:
+        return x
+    if not x.is_floating_point():
+        raise TypeError("rotate needs float images; convert the uint8 batch with to_float first")
+    angles = _to_device(angles, x.device)
+    batch, channels, height, width = x.shape
+    radians = angles.float() * (math.pi / 180)
+    cos, sin = radians.cos(), radians.sin()
+    # affine_grid works in [-1, 1] units per axis (align_corners=True: +-1 are the edge pixels'
+    # centres), so a rotation in pixels has its off-diagonal terms scaled by the aspect ratio.
+    aspect = max(height - 1, 1) / max(width - 1, 1)
+    theta = torch.stack([torch.stack([cos, -sin * aspect, torch.zeros_like(cos)], 1),
+                         torch.stack([sin / aspect, cos, torch.zeros_like(cos)], 1)], 1)
+    with torch.autocast(x.device.type, enabled=False):
+        grid = F.affine_grid(theta, [batch, channels, height, width], align_corners=True)
+        rotated = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+    return torch.where((angles != 0)[:, None, None, None], rotated.to(x.dtype), x)
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -200,7 +242,10 @@ class Trainer:
         augment: bool = True,
         crop_padding: int = 0,
         hflip: bool = False,
-        amp: bool = True,
+        precision: str = "auto",
+        min_precision: str = "bf16",
+        rotation: float = 0.0,
+        rotation_p: float = 0.5,
         channels_last: bool = True,
         compile: bool = False,
         progress: bool = True,
@@ -212,6 +257,8 @@ class Trainer:
         if schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={schedule!r} is unknown; choose one of: {', '.join(SCHEDULES)}")
         checks.integer("", "crop_padding", crop_padding, 0)  # the dataset's, passed in by the pipeline
+        checks.number("trainer", "rotation", rotation, 0, 180, hint="degrees; 0 = off, the WaNet/IAD/LIRA code uses 10")
+        checks.number("trainer", "rotation_p", rotation_p, 0, 1, hint="the share of images rotated")
         self.epochs = epochs
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
@@ -220,9 +267,13 @@ class Trainer:
         self.augment = augment
         self.crop_padding = crop_padding
         self.hflip = hflip
+        self.rotation = float(rotation)
+        self.rotation_p = float(rotation_p)
         self.device = resolve_device(device) if isinstance(device, str) else distributed.local_device(device)
         on_cuda = self.device.type == "cuda"
-        self.amp = amp and on_cuda  # bf16 autocast only where it pays off
+        # One precision for every forward pass of the run (training, evaluation, defenses);
+        # `min_precision` is the attack's (backdoorbench/precision.py).
+        self.precision = resolve_precision(precision, self.device.type, min_precision)
         # channels_last on CUDA only. On the CPU it made mnist_cnn ~20% faster per step, but torch
         # 2.14's CPU backward aborted the process (SIGABRT, no Python error) for Input-aware's
         # generators with resnet18 at 64 px (tests/test_presets.py); the CPU stays contiguous.
@@ -236,8 +287,10 @@ class Trainer:
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.device, memory_format=self.memory_format)
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+    def autocast(self):
+        """The run's precision as a context: every forward pass of training, evaluation and the
+        defenses runs inside it, so a trigger reaches the model alike in all of them."""
+        return precision_context(self.device.type, self.precision)
 
     def _compiled(self, model: nn.Module) -> nn.Module:
         """`model` itself, or a torch.compile wrapper sharing its parameters (`trainer.compile`).
@@ -271,6 +324,7 @@ class Trainer:
         on_epoch: EpochCallback | None = None,
         checkpoint: str | Path | None = None,
         companion: Any = None,
+        poison: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> list[dict[str, Any]]:
         """Train `model` on `split`; returns one dict per epoch (loss, accuracy, lr, seconds).
 
@@ -284,6 +338,9 @@ class Trainer:
         with `training_state() -> dict` and `load_training_state(dict)`. Epochs restored from it are passed to `on_epoch` once more, at
         the start, because the process that logged them first is gone (a killed run's logger never
         wrote them), so the resumed run's log holds every epoch.
+        `poison`: (x, y) -> (x, y), applied to each batch as un-augmented [0, 1] images before the
+        augmentation (then done on floats, with the same draws); `step` gets the augmented poisoned
+        batch. For an attack whose official code poisons first and augments after (WaNet).
         """
         epochs = self.epochs if epochs is None else epochs
         world, rank = distributed.world_size(), distributed.rank()
@@ -326,10 +383,12 @@ class Trainer:
             # All of the epoch's random draws at once and one copy to the device, rather than
             # small host tensors every batch (each would be a synchronising copy on CUDA).
             order = torch.randperm(len(split), generator=generator)
-            offsets = flips = None
+            offsets = flips = angles = None
             if self.augment:
                 offsets, flips = draw_augmentation(len(split), generator, self.crop_padding, self.hflip)
-            order, offsets, flips = (_to_device(t, self.device) if t is not None else None for t in (order, offsets, flips))
+                angles = draw_rotation(len(split), generator, self.rotation, self.rotation_p)
+            order, offsets, flips, angles = (_to_device(t, self.device) if t is not None else None
+                                             for t in (order, offsets, flips, angles))
             loss_sum = torch.zeros((), device=self.device)
             correct = torch.zeros((), device=self.device, dtype=torch.long)
             seen = 0
@@ -338,18 +397,21 @@ class Trainer:
             for i, (batch_start, batch_stop) in enumerate(bounds):
                 start, stop = shard_bounds(batch_start, batch_stop, rank, world)
                 idx = order[start:stop]
-                batch = images[idx]
-                if self.augment:
+                batch, y = images[idx], labels[idx]
+                crop_flip = partial(apply_augmentation,
+                                    offsets=offsets[start:stop] if offsets is not None else None,
+                                    flips=flips[start:stop] if flips is not None else None,
+                                    crop_padding=self.crop_padding)
+                if poison is None:
                     # Cropping and flipping the uint8 batch moves a quarter of the bytes of a float one.
-                    batch = apply_augmentation(
-                        batch,
-                        offsets[start:stop] if offsets is not None else None,
-                        flips[start:stop] if flips is not None else None,
-                        self.crop_padding,
-                    )
-                x = to_float(batch).contiguous(memory_format=self.memory_format)
-                with self._autocast():
-                    loss, logits, scored = run_step(x, labels[idx])
+                    x = to_float(crop_flip(batch) if self.augment else batch)
+                else:
+                    x, y = poison(to_float(batch), y)
+                    x = crop_flip(x) if self.augment else x
+                x = rotate(x, angles[start:stop] if angles is not None else None)
+                x = x.contiguous(memory_format=self.memory_format)
+                with self.autocast():
+                    loss, logits, scored = run_step(x, y)
                 optimizer.zero_grad(set_to_none=True)
                 if world > 1 and (stop - start) * world != batch_stop - batch_start:
                     # DDP averages over processes; weighting each share's mean loss by its size
@@ -412,7 +474,7 @@ class Trainer:
             x = to_float(_to_device(images[start : start + self.eval_batch_size], self.device))
             if transform is not None:
                 x = transform(x)
-            with self._autocast():
+            with self.autocast():
                 out.append(net(x.contiguous(memory_format=self.memory_format)).argmax(1))
         return torch.cat(out).cpu() if out else torch.empty(0, dtype=torch.long)
 

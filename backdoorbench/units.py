@@ -21,7 +21,18 @@ LIRA_STD: dict[str, tuple[float, ...] | None] = {
     "gtsrb": None,
     "tiny_imagenet": (0.229, 0.224, 0.225),
 }
-SOURCES: dict[str, dict[str, tuple[float, ...] | None]] = {"lira": LIRA_STD}
+# Input-aware: VinAIResearch/input-aware-backdoor-attack-release@1750e4ff0cc2371b243f1fd0ee18971f7e49fe78:dataloader.py
+# (get_transform: CIFAR-10 its mean/std, MNIST Normalize([0.5], [0.5]), GTSRB none); its diversity loss
+# (train.py `criterion_div`) measures distances between those normalised images. mnist5k holds MNIST
+# images; Tiny-ImageNet is not in that code: we ASSUME ImageNet's std, as LIRA's code (above) uses for it.
+INPUT_AWARE_STD: dict[str, tuple[float, ...] | None] = {
+    "mnist": (0.5,),
+    "mnist5k": (0.5,),
+    "cifar10": (0.247, 0.243, 0.261),
+    "gtsrb": None,
+    "tiny_imagenet": (0.229, 0.224, 0.225),
+}
+SOURCES: dict[str, dict[str, tuple[float, ...] | None]] = {"lira": LIRA_STD, "input_aware": INPUT_AWARE_STD}
 
 
 def to_pixels(value: float, std: tuple[float, ...] | None) -> float:

@@ -275,11 +275,11 @@ def main() -> None:
     optimizer = partial(torch.optim.SGD, lr=0.01, momentum=0.9, weight_decay=5e-4)
     amp = not args.no_amp
     trainer = Trainer(epochs=1, batch_size=args.batch_size, optimizer=optimizer, schedule="constant",
-                      crop_padding=data.crop_padding, hflip=data.hflip, amp=amp,
+                      crop_padding=data.crop_padding, hflip=data.hflip, precision="bf16" if amp and device.type == "cuda" else "fp32",
                       channels_last=args.channels_last != "off", progress=False, device=device)
     if args.channels_last == "on":
         trainer.memory_format = torch.channels_last
-    memory_format, use_amp = trainer.memory_format, trainer.amp
+    memory_format, use_amp = trainer.memory_format, trainer.precision == "bf16"
     baseline_format = memory_format if args.baseline_format == "same" else torch.contiguous_format
 
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""

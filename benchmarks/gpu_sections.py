@@ -226,7 +226,7 @@ def throughput(section: Section) -> None:
                     loader = baseline_loader(data, batch, w, section.device)
                     net = copy.deepcopy(initial).to(section.device, memory_format=trainer.memory_format)
                     sgd = SGD(net.parameters())
-                    run = partial(baseline_epoch, net, loader, sgd, section.device, trainer.amp, trainer.memory_format)
+                    run = partial(baseline_epoch, net, loader, sgd, section.device, trainer.precision == "bf16", trainer.memory_format)
                     run(max_steps=warm_steps)
                     row["dataloader_images_per_s"][str(w)] = n / timed(run, section.device)
                     del loader  # its persistent workers exit
@@ -351,14 +351,15 @@ def precision(section: Section) -> None:
 
     # Small victims: four of them must fit the section's guard on a GPU.
     epochs = ["trainer.epochs=1", "attack.stage1_epochs=1"] if section.tiny else ["trainer.epochs=4"]
-    # Victims trained under the trainer's autocast (CUDA's default) and in fp32; the CPU trainer
-    # has no autocast, so there only the fp32 victim is trained and both are evaluated.
+    # Victims trained under bf16 autocast (trainer.precision=bf16, what CUDA ran for every attack
+    # before trainer.precision=auto chose fp32 for LIRA) and in fp32 (auto's choice); on the CPU
+    # bf16 training is slow, so there only the fp32 victim is trained and both are evaluated.
     train_modes = ("autocast", "fp32") if section.cuda else ("fp32",)
     for test_eps in (0.0025, 0.005):
         for train_mode in train_modes:
             def measure(test_eps=test_eps, train_mode=train_mode):
                 cfg = compose("attack=lira", f"attack.test_eps={test_eps}", f"device={section.device.type}",
-                              f"trainer.amp={train_mode == 'autocast'}", "trainer.progress=false", *epochs)
+                              f"trainer.precision={'bf16' if train_mode == 'autocast' else 'fp32'}", "trainer.progress=false", *epochs)
                 data = build(cfg.dataset)
                 if section.tiny:
                     data = train_subset(data, 128, test_count=200)
@@ -372,9 +373,9 @@ def precision(section: Section) -> None:
                 attack.train_victim(trainer, model, poisoned.split, stream(0, "train"))
                 row: dict[str, Any] = {"test_eps": test_eps, "trained_under": train_mode,
                                        "train_s": round(time.perf_counter() - started, 3)}
-                # Evaluated both ways: the trainer's own autocast switched on (bf16, on the CPU too) and off.
-                for mode, amp in (("autocast", True), ("fp32", False)):
-                    trainer.amp = amp
+                # Evaluated both ways: the trainer's precision bf16 (on the CPU too) and fp32.
+                for mode, precision in (("autocast", "bf16"), ("fp32", "fp32")):
+                    trainer.precision = precision
                     row[f"eval_{mode}"] = evaluate(model, trainer, attack, data.test)
                 attackable = data.test.images[attack.target_rule(data.test.labels) != data.test.labels][:1000]
                 fp32 = logit_effect(model, attack, attackable, section.device, autocast=False)

@@ -57,10 +57,17 @@ def run_cli(*args: str, cwd: Path | None = None, module: str = "backdoorbench", 
 # record are what is checked, and an untrained victim shows them as well as a trained one.
 TINY_RUNS = {
     "fine_pruning": ["trainer.epochs=0", "defense=fine_pruning", "defense.epochs=0", "defense.max_prune_ratio=0.5"],
+    # the same at twice the clean data: figure 7 (clean budget) needs two budgets
+    "fine_pruning_clean_0.1": ["trainer.epochs=0", "defense=fine_pruning", "defense.epochs=0",
+                               "defense.max_prune_ratio=0.5", "defense.clean_fraction=0.1"],
     "strip": ["trainer.epochs=0", "defense=strip", "defense.num_superimpose=4"],
     "neural_cleanse": ["trainer.epochs=0", "defense=neural_cleanse", "defense.epochs=2", "defense.unlearn_epochs=0"],
     "rate_0.05": ["trainer.epochs=0", "attack.poison_rate=0.05"],
     "rate_0.1": ["trainer.epochs=0", "attack.poison_rate=0.1"],
+    # the angular-margin paper's preset on mnist5k, its PGD shrunk: rows per eps, loss and source
+    **{f"angular_margin_{lam}": ["paper=angular_margin/mnist", "dataset=mnist5k", "attack=none", "defense=angular_margin",
+                                 f"defense.penalty_weight={lam}", "trainer.epochs=0", "eval.pgd.eps=[0.1,0.5]",
+                                 "eval.pgd.steps=2", "eval.pgd.images=20"] for lam in (0, 100)},
 }
 
 

@@ -114,7 +114,7 @@ def test_head_needs_enough_feature_dims():
         SimplexHead(3, 10)
 
 
-@pytest.mark.parametrize("bad", [{"penalty_weight": 0}, {"scale": -0.1}, {"scale": float("nan")}, {"penalty_weight": True}])
+@pytest.mark.parametrize("bad", [{"penalty_weight": -1.0}, {"scale": -0.1}, {"scale": float("nan")}, {"penalty_weight": True}])
 def test_bad_parameters_are_config_errors(bad):
     with pytest.raises(ConfigError):
         AngularMargin(**bad)
@@ -223,3 +223,175 @@ def test_pgd_rejects_bad_arguments(trained_plain):
         pgd_accuracy(model, x, y, eps=0.1, steps=0)
     with pytest.raises(ConfigError, match="float"):
         pgd_accuracy(model, (x * 255).to(torch.uint8), y, eps=0.1)
+
+
+# ---- the authors' recipe (issue 15) ------------------------------------------------------------
+
+def test_paper_recipe_is_the_authors_training_network_and_evaluation(compose_cfg):
+    from hydra.utils import instantiate
+
+    from backdoorbench.models.rbc_mnist import NormActLinear, RbcMnist
+
+    cfg = compose_cfg("paper=angular_margin/mnist", "attack=none", "defense=angular_margin")
+    # MTandHJ/rbc@4f3b8a9 train_model.py / utils/config.py / utils/loadopts.py
+    assert cfg.dataset._target_.endswith("load_mnist") and cfg.model._target_.endswith("RbcMnist")
+    t = cfg.trainer
+    assert (t.epochs, t.batch_size, t.schedule, t.augment, t.amp) == (400, 128, "constant", False, False)
+    optimizer = instantiate(t.optimizer)([nn.Parameter(torch.zeros(1))])
+    assert type(optimizer) is torch.optim.Adam
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.01 and tuple(group["betas"]) == (0.9, 0.999) and group["weight_decay"] == 0.0
+    assert (cfg.defense.penalty_weight, cfg.defense.scale) == (100.0, 0.1)
+    pgd = cfg.eval.pgd
+    assert pgd.enabled and pgd.steps == 100 and pgd.random_start and pgd.step_size is None
+    assert pgd.rel_step_size == pytest.approx(1 / 30, rel=1e-6)
+    assert {0.05, 0.1, 0.2, 0.3} <= set(pgd.eps) and max(pgd.eps) >= 0.5  # 0.5: the gradient-masking check
+    assert list(pgd.losses) == ["ce", "cw"] and pgd.transfer_from == "attacked"
+    # A (the victim): their `MNIST` with the ReLU head; B/C (the defense's build): their `MNISTrbc`
+    plain = instantiate(cfg.model, in_channels=1, num_classes=10, image_size=28)
+    rbc = instantiate(cfg.model, in_channels=1, num_classes=10, image_size=28, head=SimplexHead, feature_act=nn.Identity)
+    for net in (plain, rbc):
+        assert isinstance(net, RbcMnist)
+        convs = [m for m in net.features if isinstance(m, nn.Conv2d)]
+        assert [(c.out_channels, c.kernel_size) for c in convs] == [(32, (3, 3)), (32, (3, 3)), (64, (3, 3)), (64, (3, 3))]
+        linears = [m for m in net.features if isinstance(m, nn.Linear)]
+        assert [(m.in_features, m.out_features) for m in linears] == [(1024, 200), (200, 200)]
+        assert net.features(torch.zeros(2, 1, 28, 28)).shape == (2, 200)  # d = 200
+    assert isinstance(plain.classifier, NormActLinear) and isinstance(plain.classifier.act, nn.ReLU)
+    assert plain.classifier.linear.bias is not None
+    assert isinstance(rbc.classifier.act, nn.Tanh) and rbc.classifier.linear.bias is None
+    assert isinstance(rbc.features[-1], nn.Identity)  # BN -> tanh happen in the head, right before W
+
+
+def test_experiment_sweeps_the_three_models_and_lambda_over_three_seeds(compose_cfg):
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra import compose, initialize_config_module
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="backdoorbench.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=angular_margin_xu2020"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert [float(v) for v in params["defense.penalty_weight"].split(",")] == [0, 1, 10, 100, 1000]
+    assert params["seed"] == "0,1,2"
+    assert cfg.attack._target_.endswith("NoAttack") and cfg.defense._target_.endswith("AngularMargin")
+    assert cfg.model._target_.endswith("RbcMnist") and cfg.trainer.schedule == "constant"
+
+
+def test_penalty_weight_zero_is_the_tanh_head_alone():
+    defense = AngularMargin(penalty_weight=0.0)
+    net = TinyNet(head=SimplexHead, feature_act=nn.Identity)
+    x, y = torch.rand(4, 1, 8, 8), torch.arange(4)
+
+    def step(model, x, y):
+        logits = model(x)
+        return nn.functional.cross_entropy(logits, y), logits, y
+
+    assert torch.equal(defense.wrap_step(step)(net, x, y)[0], step(net, x, y)[0])
+    assert float(AngularMargin(penalty_weight=100.0).wrap_step(step)(net, x, y)[0]) > float(step(net, x, y)[0])
+
+
+def test_cw_margin_is_the_best_wrong_logit_minus_the_true_one():
+    from backdoorbench.metrics.robustness import attack_loss, cw_margin
+
+    logits = torch.tensor([[2.0, 1.0, 0.5], [0.0, 3.0, 1.0], [1.0, 1.0, -4.0]])
+    labels = torch.tensor([0, 0, 2])
+    assert cw_margin(logits, labels).tolist() == [-1.0, 3.0, 5.0]  # > 0 exactly where misclassified
+    assert torch.equal(cw_margin(logits + 7.0, labels), cw_margin(logits, labels))  # logits only, no softmax
+    assert float(attack_loss("cw", logits, labels)) == 7.0
+
+
+class Saturated(nn.Module):
+    """A linear classifier whose logits are scaled by 1e4: the softmax saturates, so the cross-entropy's
+    gradient is exactly 0 in float32 (a masked gradient), while the logit margin's is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 2)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.stack([torch.ones(16), -torch.ones(16)]) / 16)
+            self.linear.bias.zero_()
+
+    def forward(self, x):
+        return 1e4 * self.linear(x.flatten(1) - 0.5)
+
+
+def test_cw_loss_attacks_where_the_cross_entropy_gradient_is_masked():
+    from backdoorbench.metrics.robustness import masking_suspects, robustness_curve
+
+    model = Saturated().eval()
+    x = torch.full((8, 1, 4, 4), 0.7)  # class 0 by a margin of 0.2 per pixel
+    y = torch.zeros(8, dtype=torch.long)
+    rows, _ = robustness_curve(model, x, y, eps=[0.1, 0.5], losses=["ce", "cw"], steps=10, rel_step_size=1 / 5,
+                               random_start=False)
+    acc = {(r["loss"], r["eps"]): r["acc"] for r in rows}
+    assert acc[("ce", 0.1)] == acc[("ce", 0.5)] == 1.0  # no gradient: the CE attack never moves
+    assert acc[("cw", 0.1)] == 1.0 and acc[("cw", 0.5)] == 0.0  # 0.5 crosses the 0.2 margin, 0.1 cannot
+    assert [(r["loss"], r["eps"]) for r in masking_suspects(rows)] == [("ce", 0.5)]
+
+
+@pytest.mark.parametrize("loss", ["ce", "cw"])
+def test_pgd_projects_and_clamps_at_each_eps(trained_plain, loss):
+    model, x, y = trained_plain
+    x = x[:32].clone()
+    x[:, :, :2] = 0.0  # pixels at both ends of the range: the clamp must hold them in [0, 1]
+    x[:, :, -2:] = 1.0
+    for eps in (0.05, 0.1, 0.2, 0.3, 0.5):
+        x_adv = pgd_attack(model, x, y[:32], eps=eps, steps=100, rel_step_size=1 / 30, loss=loss,
+                           generator=torch.Generator().manual_seed(0))
+        delta = (x_adv - x).abs()
+        assert delta.max() <= eps + 1e-6, (eps, float(delta.max()))
+        assert x_adv.min() >= 0 and x_adv.max() <= 1
+        assert delta.max() >= eps - 1e-6  # 100 steps of eps/30 reach the ball's surface
+        assert (x_adv[:, :, :2] <= eps + 1e-6).all() and (x_adv[:, :, -2:] >= 1 - eps - 1e-6).all()
+
+
+def test_pgd_step_is_absolute_relative_or_madrys_rule():
+    from backdoorbench.metrics.robustness import step_length
+
+    assert step_length(0.3, 100, rel_step_size=1 / 30) == pytest.approx(0.01)
+    assert step_length(0.3, 100, step_size=0.02) == 0.02
+    assert step_length(0.3, 40) == pytest.approx(2.5 * 0.3 / 40)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("eval.pgd.eps=[0.1,1.5]", "eval.pgd.eps=[0.1, 1.5] holds 1.5; every radius must be a number in [0, 1]"),
+    ("eval.pgd.eps=[]", "eval.pgd.eps=[] is empty"),
+    ("eval.pgd.losses=[ce,fgsm]", "eval.pgd.losses=['ce', 'fgsm'] must be a non-empty list of ce, cw"),
+    ("eval.pgd.rel_step_size=0.1", "eval.pgd.step_size=0.01 and eval.pgd.rel_step_size=0.1 are both set"),
+    ("eval.pgd.transfer_from=plain", "eval.pgd.transfer_from='plain' is not a model of the run; use null or attacked"),
+])
+def test_bad_pgd_settings_are_one_line_config_errors_before_any_data(compose_cfg, override, message, tmp_path):
+    from backdoorbench.pipeline import validate_config
+
+    extra = ["eval.pgd.step_size=0.01"] if "rel_step_size" in override else []
+    cfg = compose_cfg(override, *extra, f"results_dir={tmp_path / 'out'}")
+    with pytest.raises(ConfigError) as caught:
+        validate_config(cfg)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_pgd_images_are_a_seeded_choice_not_the_first_sorted_ones(mnist5k):
+    from omegaconf import OmegaConf
+
+    from backdoorbench.pipeline import _pgd_images
+
+    _, labels = _pgd_images(mnist5k, OmegaConf.create({"images": 50, "seed": 0}))
+    assert len(labels) == 50 and len(labels.unique()) >= 8  # mnist5k's test split is sorted: the first 50 are all 0
+    _, again = _pgd_images(mnist5k, OmegaConf.create({"images": 50, "seed": 0}))
+    assert torch.equal(labels, again)
+    _, every = _pgd_images(mnist5k, OmegaConf.create({"images": 5000, "seed": 3}))
+    assert torch.equal(every, mnist5k.test.labels)  # all of them, in order, when there are no more
+
+
+def test_the_record_holds_a_row_per_loss_eps_and_source(tiny_results):
+    runs, _ = tiny_results
+    for name, lam in (("angular_margin_0", 0.0), ("angular_margin_100", 100.0)):
+        record, _ = runs[name]
+        assert record.defense["penalty_weight"] == lam and record.model["name"] == "rbc_mnist"
+        attacked, defended = record.metrics["attacked"], record.metrics["defended"]
+        assert "pgd_acc" not in attacked  # a list of eps: no single number
+        keys = {(r["loss"], r["eps"], r["source"]) for r in attacked["pgd"]}
+        assert keys == {(loss, eps, "self") for loss in ("ce", "cw") for eps in (0.1, 0.5)}
+        keys = {(r["loss"], r["eps"], r["source"]) for r in defended["pgd"]}
+        assert keys == {(loss, eps, source) for loss in ("ce", "cw") for eps in (0.1, 0.5) for source in ("self", "attacked")}
+        assert all(0 <= r["acc"] <= 1 for r in attacked["pgd"] + defended["pgd"])

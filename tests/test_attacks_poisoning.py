@@ -98,6 +98,7 @@ def build(name: str, mode: str = "all2one", **kw):
     if name == "bpp":
         return Bpp(**common(target_mode=mode, poison_rate=0.2, **kw))
     if name == "trojannn":
+        kw = {"start": "random", **kw}  # unconstrained: the optimization visibly drives the units
         return prepared(TrojanNN(**common(target_mode=mode, poison_rate=0.2, patch_size=4, trigger_steps=20,
                                           trigger_lr=0.05, surrogate_epochs=1, **kw)), make_split())
     if name == "refool":
@@ -395,6 +396,21 @@ def test_trojannn_trigger_only_changes_the_mask_and_fires_the_neurons():
     fresh = TrojanNN(**common(patch_size=4))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.apply_trigger(x), attack.apply_trigger(x))
+
+
+def test_trojannn_starts_from_the_mask_image_and_stays_within_eps_of_it():
+    """Issue 13, finding 12: BackdoorBench optimizes from its mask image (here the white square) within
+    L_inf 0.3 of it; the old default started from a random patch the selected units were silent on."""
+    yaml_attack = instantiate(OmegaConf.load(CONF / "trojannn.yaml"), num_classes=10, image_shape=(1, 28, 28))
+    assert (yaml_attack.start, yaml_attack.trigger_eps, yaml_attack.trigger_steps, yaml_attack.trigger_lr) == ("mask", 0.3, 1000, 0.1)
+    attack = prepared(TrojanNN(**common(patch_size=4, trigger_steps=30, surrogate_epochs=1)), make_split())
+    assert attack.patch.min() >= 0.7 - 1e-6 and attack.patch.max() <= 1.0
+    before, after = attack.stats["activation_before"], attack.stats["activation_after"]
+    assert max(before) > 0 and sum(after) > sum(before)  # the white square fires a unit; the steps raise it
+    random_start = prepared(TrojanNN(**common(patch_size=4, trigger_steps=30, surrogate_epochs=1, start="random")), make_split())
+    assert random_start.patch.min() < 0.7  # unconstrained: free to leave the mask image's neighbourhood
+    with pytest.raises(ConfigError, match="attack.start='black' is unknown"):
+        TrojanNN(**common(start="black"))
 
 
 def test_trojannn_prepare_trains_the_surrogate_with_the_trainer():

@@ -17,7 +17,7 @@ from backdoorbench.attacks.input_aware import InputAware, diversity_loss, mask_n
 from backdoorbench.attacks.wanet import WaNet, identity_grid
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
-from backdoorbench.train import Trainer
+from backdoorbench.train import Trainer, apply_augmentation
 from tests.tiny import COMMON, SHAPE, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
@@ -161,6 +161,69 @@ def test_wanet_training_step_trains_on_the_poisoned_batch():
     assert loss.requires_grad and logits.shape == (20, 4)
 
 
+def test_wanet_trains_on_the_augmented_warp_not_the_warped_augmentation():
+    # The official order (finding 5): warp the raw batch, then crop/flip it. Every training row is
+    # then a crop of a warped image; warping a cropped image is something else (the field is fixed
+    # in image coordinates), which the old order gave.
+    x, y = batch(8, seed=3)
+    split = Split((x * 255).round().to(torch.uint8), y)
+    x = split.float_images()
+    attack = WaNet(**COMMON, poison_rate=1.0, cross_ratio=0.0, s=3.0)
+    padding = 2
+    trainer = Trainer(epochs=1, batch_size=8, optimizer=partial(torch.optim.SGD, lr=0.0), device="cpu",
+                      progress=False, crop_padding=padding, hflip=False)
+    recorder = Recorder()
+    attack.train_victim(trainer, recorder, split, torch.Generator().manual_seed(0))
+    warped = attack.apply_trigger(x)
+    offsets = [(dy, dx) for dy in range(2 * padding + 1) for dx in range(2 * padding + 1)]
+
+    def crops(images):  # every crop of every image: (offset index, image index) -> crop
+        shifts = torch.tensor(offsets)
+        return {(k, i): apply_augmentation(images[i : i + 1], shifts[k : k + 1], None, padding)[0]
+                for k in range(len(offsets)) for i in range(len(images))}
+
+    of_warp = crops(warped)
+    matched = []
+    for row in recorder.seen:
+        hits = [key for key, crop in of_warp.items() if torch.allclose(crop, row, atol=1e-6)]
+        assert hits, "a training row is not a crop of a warped image: the batch was not warped first"
+        matched.append(offsets[hits[0][0]])
+    assert any(offset != (padding, padding) for offset in matched)  # real shifts were drawn
+    of_crop = crops(x)  # the old order: warp(crop(x)) for some crop
+    for row in recorder.seen:
+        assert not any(torch.allclose(attack.apply_trigger(crop[None])[0], row, atol=1e-6)
+                       for (k, _), crop in of_crop.items() if offsets[k] != (padding, padding))
+
+
+def test_wanet_poisoning_before_augmentation_resumes_exactly(tmp_path):
+    # The poison hook runs outside the loss step, with crop, flip and rotation after it: a fit
+    # stopped after epoch 1 and resumed from its checkpoint ends where an uninterrupted one does.
+    split = make_split(32)
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_first(row):
+        if row["epoch"] == 1:
+            raise Killed
+
+    def train(checkpoint=None, on_epoch=None):
+        attack = WaNet(**COMMON, poison_rate=0.25)
+        trainer = Trainer(epochs=2, batch_size=16, optimizer=partial(torch.optim.SGD, lr=0.05), device="cpu",
+                          progress=False, crop_padding=2, hflip=True, rotation=10, rotation_p=0.5)
+        trainer.on_epoch = on_epoch
+        model = make_model()
+        attack.train_victim(trainer, model, split, torch.Generator().manual_seed(4), checkpoint=checkpoint)
+        return params(model), attack.batch_generator.get_state()
+
+    whole = train()
+    path = tmp_path / "victim.pt"
+    with pytest.raises(Killed):
+        train(path, kill_after_first)
+    resumed = train(path)
+    assert same(whole[0], resumed[0]) and torch.equal(whole[1], resumed[1])
+
+
 def test_wanet_same_seed_same_grid_and_state_round_trip():
     a, b, c = WaNet(**COMMON, seed=5), WaNet(**COMMON, seed=5), WaNet(**COMMON, seed=6)
     assert torch.equal(a.grid, b.grid) and not torch.equal(a.grid, c.grid)
@@ -269,6 +332,74 @@ def test_iad_diversity_and_norm_losses():
     assert float(mask_norm_loss(torch.ones(1, 1, 4, 4), 0.032)) == pytest.approx(0.968)
 
 
+def official_diversity(inputs1, inputs2, out1, out2, mean, std, normalise_outputs):
+    """The official formula (train.py: MSELoss(reduction="none"), mean over C, H, W, sqrt, ratio,
+    EPSILON 1e-7), on images normalised by (x - mean) / std as its data loader does."""
+    norm = lambda t: (t - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)  # noqa: E731
+    images = ((norm(inputs1) - norm(inputs2)) ** 2).mean(dim=(1, 2, 3)).sqrt()
+    if normalise_outputs:
+        out1, out2 = norm(out1), norm(out2)
+    outputs = ((out1 - out2) ** 2).mean(dim=(1, 2, 3)).sqrt()
+    return (images / (outputs + 1e-7)).mean()
+
+
+def test_iad_diversity_is_measured_on_normalised_images_as_the_official_code():
+    # Finding 6: on a CIFAR-like batch, the mask pre-training's diversity (images normalised, masks
+    # not) and the joint one (images and patterns normalised) equal the official formula.
+    g = torch.Generator().manual_seed(0)
+    x1, x2, p1, p2 = (torch.rand(6, 3, 8, 8, generator=g) for _ in range(4))
+    m1, m2 = torch.rand(6, 1, 8, 8, generator=g), torch.rand(6, 1, 8, 8, generator=g)
+    mean, std = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.247, 0.243, 0.261])
+    attack = InputAware(num_classes=10, image_shape=(3, 8, 8), dataset="cifar10", channels=4, depth=2)
+    assert attack.diversity_std == (0.247, 0.243, 0.261)
+    std_used = torch.tensor(attack.diversity_std)
+    mask_div = diversity_loss(x1, x2, m1, m2, image_std=std_used)
+    assert float(mask_div) == pytest.approx(float(official_diversity(x1, x2, m1, m2, mean, std, False)), rel=1e-5)
+    joint_div = diversity_loss(x1, x2, p1, p2, image_std=std_used, output_std=std_used)
+    assert float(joint_div) == pytest.approx(float(official_diversity(x1, x2, p1, p2, mean, std, True)), rel=1e-5)
+    # ~4x the [0, 1]-pixel value for the masks: the weight the old code lost
+    assert float(mask_div) / float(diversity_loss(x1, x2, m1, m2)) == pytest.approx(1 / 0.25, rel=0.05)
+
+
+@pytest.mark.parametrize("dataset, std", [("cifar10", (0.247, 0.243, 0.261)), ("mnist", (0.5,)), ("mnist5k", (0.5,)),
+                                          ("gtsrb", None), ("my_own_data", None)])
+def test_iad_uses_the_official_normaliser_of_each_dataset(dataset, std):
+    channels = 1 if dataset.startswith("mnist") else 3
+    attack = InputAware(num_classes=10, image_shape=(channels, 8, 8), dataset=dataset, channels=4, depth=2)
+    assert attack.diversity_std == std
+    explicit = InputAware(num_classes=10, image_shape=(channels, 8, 8), dataset=dataset, channels=4, depth=2,
+                          diversity_std=0.3)
+    assert explicit.diversity_std == (0.3,) * channels
+
+
+def test_the_pipeline_gives_input_aware_its_datasets_normaliser(compose_cfg):
+    from types import SimpleNamespace
+
+    from backdoorbench.pipeline import build_attack
+
+    cfg = compose_cfg("attack=input_aware", "attack.channels=4")
+    data = SimpleNamespace(num_classes=10, image_shape=(1, 28, 28), name="mnist5k")
+    attack = build_attack(cfg.attack, data)
+    assert attack.diversity_std == (0.5,) and attack.describe()["diversity_std"] == [0.5]
+
+
+def test_iad_mask_pretraining_and_joint_training_pass_the_normaliser(monkeypatch):
+    import backdoorbench.attacks.input_aware as iad
+
+    calls = []
+    real = iad.diversity_loss
+    monkeypatch.setattr(iad, "diversity_loss", lambda *a, **k: calls.append(k) or real(*a, **k))
+    attack = make_iad(dataset="mnist", mask_epochs=1)
+    trainer = make_trainer()
+    attack.prepare(trainer=trainer, train=make_split(16), generator=torch.Generator().manual_seed(0))
+    assert calls and all(torch.equal(k["image_std"], torch.tensor([0.5])) and k.get("output_std") is None
+                         for k in calls)
+    calls.clear()
+    attack.train_victim(trainer, make_model(), make_split(16), torch.Generator().manual_seed(1))
+    assert calls and all(torch.equal(k["image_std"], torch.tensor([0.5])) and torch.equal(k["output_std"], k["image_std"])
+                         for k in calls)
+
+
 def test_iad_mask_pretraining_reduces_the_norm_loss_and_freezes_the_mask():
     attack = make_iad(mask_epochs=4, mask_lr=0.05)
     probe = make_split(32, seed=7).float_images()
@@ -327,7 +458,9 @@ def test_iad_needs_prepare_before_training():
      ({"mask_density": 0}, "attack.mask_density=0"), ({"lambda_div": -1}, "attack.lambda_div=-1"),
      ({"channels": 0}, "attack.channels=0"), ({"mask_epochs": -1}, "attack.mask_epochs=-1"),
      ({"generator_milestones": [0.5, 2]}, "attack.generator_milestones"),
-     ({"mask_milestones": 0.5}, "attack.mask_milestones=0.5")],
+     ({"mask_milestones": 0.5}, "attack.mask_milestones=0.5"),
+     ({"diversity_std": [0.2, 0.3]}, r"attack.diversity_std=\[0.2, 0.3\]"), ({"diversity_std": 0}, "attack.diversity_std=0"),
+     ({"diversity_std": "imagenet"}, "attack.diversity_std='imagenet'")],
 )
 def test_iad_rejects_bad_values(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -345,3 +478,22 @@ def test_configs_instantiate_with_paper_defaults(name, cls):
         assert (attack.k, attack.s, attack.grid_rescale, attack.cross_ratio) == (4, 0.5, 1.0, 2.0)
     else:
         assert (attack.cross_rate, attack.lambda_div, attack.lambda_norm, attack.mask_density) == (0.1, 1, 100, 0.032)
+
+
+# The official training augmentation of each attack's code (docs/fidelity.md#paper-presets): crop pad 5 for all;
+# rotation +-10 deg on a quarter of the images (WaNet/LIRA PostTensorTransform: p 0.5 per batch x kornia's 0.5 per
+# image; WB takes LIRA's), on every image for Input-aware but none on its MNIST; the other attacks keep the defaults.
+OFFICIAL_AUGMENTATION = {"wanet": (10, 0.25), "lira": (10, 0.25), "wb": (10, 0.25), "input_aware": (10, 1.0)}
+
+
+@pytest.mark.parametrize("dataset", ["mnist", "cifar10", "gtsrb", "tiny_imagenet"])
+def test_paper_presets_turn_on_the_official_augmentation_of_wanet_iad_and_lira(dataset, compose_cfg):
+    default_padding = compose_cfg(f"dataset={dataset}").dataset.crop_padding
+    for attack in ("badnets", "blended", *OFFICIAL_AUGMENTATION):
+        cfg = compose_cfg(f"paper=lira/{dataset}", f"attack={attack}")
+        rotation, share = OFFICIAL_AUGMENTATION.get(attack, (0, 0.5))
+        if attack == "input_aware" and dataset == "mnist":
+            rotation, share = 0, 0.5  # its data loader does not rotate MNIST
+        assert (cfg.trainer.rotation, cfg.trainer.rotation_p) == (rotation, share), attack
+        assert cfg.dataset.crop_padding == (5 if attack in OFFICIAL_AUGMENTATION else default_padding), attack
+    assert compose_cfg(f"dataset={dataset}", "attack=wanet").trainer.rotation == 0  # off outside the presets

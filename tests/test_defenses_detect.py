@@ -170,7 +170,7 @@ def poisoned_victim():
     torch.manual_seed(0)
     train = quadrant_data(400, seed=0, num_classes=VICTIM_CLASSES)
     attack = BadNets(num_classes=VICTIM_CLASSES, image_shape=SHAPE, patch_size=3, poison_rate=0.1)
-    poisoned = attack.poison_dataset(train, torch.Generator().manual_seed(0))  # 40 of class 1 -> class 0
+    poisoned = attack.poison_dataset(train, torch.Generator().manual_seed(0))  # 40 stamped: 22 of class 1 -> 0, 18 of class 0
     model = Normalized(TinyNet(VICTIM_CLASSES), (0.3,), (0.3,))
     tiny_trainer(6).fit(model, poisoned.split, generator=torch.Generator().manual_seed(0))
     is_poison = torch.zeros(len(train), dtype=torch.bool)
@@ -185,7 +185,11 @@ def test_activation_clustering_finds_the_badnets_samples(poisoned_victim):
     result = ActivationClustering(reduction="pca", analysis="relative_size").apply(context(model, poisoned, poisoned.split.subset(torch.arange(0)),
                                                   num_classes=VICTIM_CLASSES))
     assert result.extras["poisoned_classes"] == [0]  # the target class, and only it
-    tpr = float(result.flagged[is_poison].float().mean())
+    # dirty-label poison is drawn from all classes (BackdoorBench's rule): about half of it here is
+    # class-0 images that keep their label; AC separates the relabelled ones, whose activations differ
+    relabelled = is_poison & (quadrant_data(400, seed=0, num_classes=VICTIM_CLASSES).labels != 0)
+    assert 15 <= int(relabelled.sum()) < int(is_poison.sum())
+    tpr = float(result.flagged[relabelled].float().mean())
     fpr = float(result.flagged[~is_poison].float().mean())
     assert tpr > 0.9 and fpr < 0.05, (tpr, fpr)
 

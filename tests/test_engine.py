@@ -15,8 +15,8 @@ from torch import nn
 
 import backdoorbench.config  # noqa: F401  (registers the schemas)
 from backdoorbench.datasets.base import Split
-from backdoorbench.errors import DataError
-from backdoorbench.train import Trainer, augment_batch, batch_bounds, cross_entropy_step
+from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.train import Trainer, augment_batch, batch_bounds, cross_entropy_step, draw_rotation, rotate
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,6 +108,60 @@ def test_augmentation_is_seeded():
     b = augment_batch(x, torch.Generator().manual_seed(5), 2, True)
     c = augment_batch(x, torch.Generator().manual_seed(6), 2, True)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_rotation_draws_angles_within_the_range_for_a_share_p_of_the_images():
+    angles = draw_rotation(4000, torch.Generator().manual_seed(0), 10, 0.5)
+    rotated = angles != 0
+    assert rotated.float().mean().item() == pytest.approx(0.5, abs=0.03)
+    assert angles.abs().max() <= 10 and angles.max() > 9.5 and angles.min() < -9.5
+    assert draw_rotation(10, torch.Generator(), 0, 0.5) is None and draw_rotation(10, torch.Generator(), 10, 0) is None
+    assert draw_rotation(200, torch.Generator().manual_seed(0), 10, 1.0).ne(0).all()
+
+
+def test_rotate_turns_images_about_their_centre_and_leaves_angle_zero_alone():
+    x = torch.rand(3, 2, 7, 7)
+    out = rotate(x, torch.tensor([90.0, 0.0, -90.0]))
+    # a quarter turn maps pixel centres onto pixel centres: exactly a rot90, opposite ways for +-90
+    quarter = [torch.allclose(out[0], x[0].rot90(k, dims=(1, 2)), atol=1e-5) for k in (1, -1)]
+    assert sum(quarter) == 1
+    assert torch.equal(out[1], x[1])
+    assert torch.allclose(out[2], x[2].rot90(1 if quarter[1] else -1, dims=(1, 2)), atol=1e-5)
+    small = rotate(torch.ones(1, 1, 9, 9), torch.tensor([10.0]))
+    assert small[0, 0, 4, 4] == pytest.approx(1.0) and small[0, 0, 0, 0] < 1  # zeros come in at the corners
+
+
+class Recorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3 * 8 * 8, 4)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.detach().clone())
+        return self.linear(x.flatten(1))
+
+
+@pytest.mark.parametrize("rotation, changed", [(0, False), (10, True)])
+def test_the_trainer_rotates_its_batches_only_when_asked(rotation, changed):
+    split = tiny_split(16)
+    model = Recorder()
+    trainer = tiny_trainer(epochs=1, crop_padding=0, hflip=False, rotation=rotation, rotation_p=1.0,
+                           optimizer=partial(torch.optim.SGD, lr=0.0))
+    trainer.fit(model, split, generator=torch.Generator().manual_seed(0))
+    seen = torch.cat(model.seen)
+    originals = split.float_images()
+    as_is = [any(torch.equal(row, image) for image in originals) for row in seen]
+    assert not any(as_is) if changed else all(as_is)
+
+
+def test_rotation_is_off_by_default_and_checked(compose_trainer):
+    cfg, trainer = compose_trainer()
+    assert cfg.trainer.rotation == 0 and trainer.rotation == 0 and Trainer().rotation == 0
+    with pytest.raises(ConfigError, match=r"trainer.rotation=200 is out of range"):
+        Trainer(rotation=200)
+    with pytest.raises(ConfigError, match=r"trainer.rotation_p=1.5 is out of range"):
+        Trainer(rotation=10, rotation_p=1.5)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -333,7 +387,7 @@ def test_compiled_training_on_cuda_learns_like_eager():
     results = []
     for compile_flag in (False, True):
         model = tiny_net(0)
-        trainer = tiny_trainer(epochs=3, device="cuda", compile=compile_flag, amp=False)
+        trainer = tiny_trainer(epochs=3, device="cuda", compile=compile_flag, precision="fp32")
         history = trainer.fit(model, split, generator=torch.Generator().manual_seed(0))
         results.append((history[-1]["loss"], model.cpu()))
     (eager_loss, eager), (compiled_loss, compiled) = results

@@ -35,7 +35,7 @@ def test_every_figure_is_drawn_from_real_runs(tiny_results, tmp_path):
     skipped = []
     written = write_figures(results, report=skipped.append)
     assert skipped == []
-    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     for number, paths in written.items():
         assert sorted(p.suffix for p in paths) == [".pdf", ".png"], number  # one attack: one page
         png, pdf = sorted(paths, key=lambda p: p.suffix, reverse=True)
@@ -48,11 +48,16 @@ def test_every_figure_is_drawn_from_real_runs(tiny_results, tmp_path):
 def test_missing_data_gives_one_skip_line_per_figure_with_the_command(tmp_path, capsys):
     # one run without artifacts (e.g. written before they existed, or with eval.stealth_images=0)
     save_record(make_record(defense={"name": "none"},
-                            metrics={"attacked": {"clean_acc": 0.9, "asr": 0.9, "ra": 0.1}, "defended": None, "der": None}),
+                            metrics={"attacked": {"clean_acc": 0.9, "asr": 0.9, "ra": 0.1, "pgd_acc": 0.0}, "defended": None,
+                                     "der": None}),
                 tmp_path / "runs" / "mnist5k" / "badnets_all2one" / "r.json")
     assert main([f"results_dir={tmp_path}"]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 7 and all(line.startswith("skipped figure ") for line in lines)
+    assert len(lines) == 10 and all(line.startswith("skipped figure ") for line in lines)
+    # robust accuracy vs eps, and vs lambda: a record with the old single PGD number has no curve
+    for line, number in zip(lines[6:8], (7, 8)):
+        assert line.startswith(f"skipped figure {number} ")
+        assert line.endswith(f"make it with: python -m backdoorbench --multirun experiment=angular_margin_xu2020 results_dir={tmp_path}")
     assert lines[2].endswith(f"make it with: python -m backdoorbench attack=<name> defense=neural_cleanse results_dir={tmp_path}")
     assert "attack.poison_rate=0.01,0.05,0.1" in lines[1] and "defense=strip" in lines[3] and "defense=fine_pruning" in lines[4]
     assert not any((tmp_path / "figures").iterdir())

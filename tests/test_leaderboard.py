@@ -244,8 +244,8 @@ def test_a_defense_whose_threat_model_excludes_the_attack_is_n_a_not_a_success(t
     row = next(r for r in read_csv(files.csv["defenses"]) if r["group_id"] == "gn")
     assert row["der_mean"] == row["asr_after_mean"] == row["ca_after_mean"] == "n/a"
     line = next(line for line in files.markdown.read_text().splitlines() if "`gn" in line)
-    # CA after, ASR after, DER, AUROC, ASR after reactivation
-    assert line.count("| n/a ") == 5 and "–" not in line.split("| 3 |")[1]
+    # CA after, ASR after, DER, AUROC, ASR after reactivation, cost s, passes/img, benign FP, ASR spread
+    assert line.count("| n/a ") == 9 and "–" not in line.split("| 3 |")[1]
     assert "n/a where the defense's threat model excludes the attack" in files.markdown.read_text()
     assert ">n/a<" in files.html.read_text()
 

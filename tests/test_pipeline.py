@@ -34,6 +34,8 @@ def test_defense_changes_do_not_change_the_poisoned_set(tmp_path, compose_cfg):
                            "eval.pgd.enabled=true", "eval.pgd.images=50", "eval.pgd.steps=2", "eval.pgd.eps=0.5"))
     assert a.attack["poisoned_indices_sha256"] == b.attack["poisoned_indices_sha256"]
     pgd_acc = b.metrics["attacked"].pop("pgd_acc")
+    # one eps (the old config): the single number, and the same as the one row of the table
+    assert b.metrics["attacked"].pop("pgd") == [{"loss": "ce", "eps": 0.5, "acc": pgd_acc, "source": "self"}]
     assert a.metrics["attacked"] == b.metrics["attacked"]
     # PGD accuracy is recorded for the attacked and the defended model when eval.pgd is enabled.
     assert 0 <= pgd_acc <= 1 and 0 <= b.metrics["defended"]["pgd_acc"] <= 1

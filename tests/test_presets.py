@@ -18,6 +18,8 @@ from tests.dataset_files import write_cifar10, write_gtsrb, write_mnist, write_t
 
 CONF = Path(backdoorbench.__file__).parent / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# the presets that sweep datasets x attacks x target modes (LIRA's and WB's tables)
+PAPER_SWEEPS = [name for name in PRESETS if "\n      paper:" in (CONF / "experiment" / f"{name}.yaml").read_text()]
 # What keeps a run of the preset's attacks tiny; only the keys each attack has.
 TINY_ATTACK = {"lira": ["attack.stage1_epochs=1", "attack.generator_width=4"],
                "wb": ["attack.stage1_epochs=1", "attack.generator_width=4"],
@@ -53,7 +55,7 @@ def test_there_are_paper_presets():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", PAPER_SWEEPS)
 def test_every_preset_runs_one_tiny_step_per_dataset(name, data_root, tmp_path, compose_cfg):
     from backdoorbench.pipeline import run
 
@@ -72,6 +74,23 @@ def test_every_preset_runs_one_tiny_step_per_dataset(name, data_root, tmp_path, 
         # the paper setting's schedule is what ran, minus what the command line replaced
         assert record.config["trainer"]["schedule"] == "multistep" and record.config["trainer"]["epochs"] == 1
         assert record.config["trainer"]["optimizer"]["lr"] == 0.01
+
+
+@pytest.mark.slow
+def test_the_angular_margin_preset_runs_one_tiny_step_of_each_model(data_root, tmp_path, compose_cfg):
+    from backdoorbench.pipeline import run
+
+    params = sweep_params("angular_margin_xu2020")
+    assert params == {"defense.penalty_weight": ["0", "1", "10", "100", "1000"], "seed": ["0", "1", "2"]}
+    for lam in ("0", "100"):  # C and B; A is the victim of both, trained once (the cache)
+        cfg = compose_cfg("experiment=angular_margin_xu2020", f"defense.penalty_weight={lam}", f"dataset.root={data_root}",
+                          f"results_dir={tmp_path}", *TINY, "eval.pgd.images=8", "eval.pgd.steps=2")
+        record, path = run(cfg)
+        assert record.dataset["name"] == "mnist" and record.model["name"] == "rbc_mnist"
+        assert record.victim["cache"] == ("miss" if lam == "0" else "hit")
+        assert record.config["trainer"]["optimizer"]["_target_"] == "torch.optim.Adam"
+        sources = {(r["loss"], r["source"]) for r in load_record(path).metrics["defended"]["pgd"]}
+        assert sources == {("ce", "self"), ("cw", "self"), ("ce", "attacked"), ("cw", "attacked")}
 
 
 def test_paper_settings_carry_the_released_values(compose_cfg):
@@ -119,7 +138,7 @@ def test_preflight_expands_a_presets_sweeps_and_reports_bad_values(conf_with):
         cli.preflight(["--multirun", "experiment=bad_attack"])
     with pytest.raises(ConfigError, match=r"^attack.poison_rate=1.5 is out of range"):
         cli.preflight(["--multirun", "experiment=bad_rate"])
-    with pytest.raises(ConfigError, match="^unknown paper 'lira/svhn'; choose one of: lira/cifar10, lira/gtsrb, lira/mnist"):
+    with pytest.raises(ConfigError, match="^unknown paper 'lira/svhn'; choose one of: angular_margin/mnist, lira/cifar10, lira/gtsrb, lira/mnist"):
         cli.preflight(["--multirun", "experiment=bad_paper"])
     cli.preflight(["--multirun", "experiment=bad_rate", "attack.poison_rate=0.2"])  # the command line replaces the sweep
     cli.preflight(["experiment=bad_rate"])  # without --multirun Hydra ignores the sweep, and so does preflight

@@ -82,7 +82,7 @@ def test_sigkill_mid_training_then_rerun_resumes_to_the_same_metrics(tmp_path):
 # Input-aware after its mask pre-training and one victim epoch, WaNet after one victim epoch.
 ATTACK_SETTING = ("trainer.epochs=2", "dataset.test_per_class=450", "eval.stealth_images=0", "trainer.progress=false")
 ATTACK_CASES = {
-    "wanet": (["attack=wanet"], "victim.pt"),
+    "wanet": (["attack=wanet", "trainer.rotation=10"], "victim.pt"),  # poisoned, then cropped and rotated
     "input_aware": (["attack=input_aware", "attack.mask_epochs=1", "attack.channels=4", "attack.depth=1"], "victim.pt"),
     "lira": (["attack=lira", "attack.stage1_epochs=2", "attack.generator_width=4"], "victim.stage1.pt"),
     "wb": (["attack=wb", "attack.stage1_epochs=1", "attack.generator_width=4"], "victim.pt"),

@@ -65,6 +65,9 @@ class Attack:
 
     name: ClassVar[str] = "attack"
     clean_label: ClassVar[bool] = False  # clean-label attacks poison target-class samples, labels kept
+    # The lowest precision whose rounding leaves the trigger's effect intact: trainer.precision=auto
+    # runs the whole run in it on CUDA (backdoorbench/precision.py). bf16 keeps 8 significant bits.
+    min_precision: ClassVar[str] = "bf16"
 
     def __init__(
         self,
@@ -74,8 +77,12 @@ class Attack:
         target_mode: str = "all2one",
         target: int = 0,
         poison_rate: float = 0.1,
+        dataset: str | None = None,
     ) -> None:
         checks.number("attack", "poison_rate", poison_rate, 0, 1, low_open=True)
+        # The dataset's name (ImageDataset.name), passed by the pipeline like num_classes: for values
+        # an official code sets per dataset (Input-aware's normaliser). None: not known (a dry build).
+        self.dataset = dataset
         self.num_classes = num_classes
         self.image_shape = tuple(image_shape)
         self.target_rule = make_target_rule(target_mode, target, num_classes)

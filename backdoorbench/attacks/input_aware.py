@@ -74,12 +74,24 @@ def blend(x: Tensor, pattern: Tensor, mask: Tensor) -> Tensor:
     return x + mask * (pattern - x)
 
 
-def diversity_loss(images_a: Tensor, images_b: Tensor, out_a: Tensor, out_b: Tensor) -> Tensor:
+def diversity_loss(
+    images_a: Tensor, images_b: Tensor, out_a: Tensor, out_b: Tensor,
+    image_std: Tensor | None = None, output_std: Tensor | None = None,
+) -> Tensor:
     """mean ||x - x'|| / ||g(x) - g(x')|| over pairs (RMS distances): small when distinct inputs
-    get distinct triggers, so the generator cannot collapse to one fixed trigger."""
-    image_distance = (images_a - images_b).pow(2).mean(dim=(1, 2, 3)).sqrt()
+    get distinct triggers, so the generator cannot collapse to one fixed trigger.
+
+    `image_std` / `output_std` (per channel, (C,) or (1, C, 1, 1)): measure that distance between
+    images normalised by (x - mean) / std, as the official code does (the mean cancels); None:
+    in [0, 1] pixels."""
+    image_diff, output_diff = images_a - images_b, out_a - out_b
+    if image_std is not None:
+        image_diff = image_diff / image_std.to(image_diff).reshape(1, -1, 1, 1)
+    if output_std is not None:
+        output_diff = output_diff / output_std.to(output_diff).reshape(1, -1, 1, 1)
+    image_distance = image_diff.pow(2).mean(dim=(1, 2, 3)).sqrt()
     # sqrt has an infinite slope at 0: two equal outputs would turn the whole gradient into NaN.
-    output_distance = (out_a - out_b).pow(2).mean(dim=(1, 2, 3)).clamp_min(EPSILON**2).sqrt()
+    output_distance = output_diff.pow(2).mean(dim=(1, 2, 3)).clamp_min(EPSILON**2).sqrt()
     return (image_distance / (output_distance + EPSILON)).mean()
 
 
@@ -112,7 +124,11 @@ class InputAware(TrainingAttack):
     A pattern generator p and a mask generator m make each input's own trigger,
     x + m(x) * (p(x) - x). The mask generator is first trained alone (in `prepare`) to a sparse
     mask (norm loss towards `mask_density`) that differs between inputs (diversity loss), then
-    frozen. While the victim trains, in every batch a `poison_rate` (the paper's rho_b) fraction
+    frozen. Its diversity loss measures image distances on normalised images, in the official
+    code's normalisation of the dataset (`diversity_std`, default `official`: backdoorbench/units.py
+    INPUT_AWARE_STD; CIFAR-10's std ~0.25 makes it weigh ~4x what [0, 1] pixels would, MNIST's
+    [-1, 1] 2x, GTSRB's raw pixels 1x); the joint training's diversity loss normalises images and
+    patterns alike, as the official code does. While the victim trains, in every batch a `poison_rate` (the paper's rho_b) fraction
     carries its own trigger and the target label, a `cross_rate` (rho_c) fraction carries the
     trigger made from ANOTHER image and keeps its label (so a trigger works only on the input
     it was made for), and the pattern generator is trained with its own Adam optimizer on the
@@ -124,7 +140,8 @@ class InputAware(TrainingAttack):
     the running sum of all past gradients); its learning-rate milestones and the mask
     generator's are fractions of the training (official: epochs [200, 300, 400, 500] of 600 and
     [10, 20] of 25); the generators see [0, 1] images rather than normalized ones (their first
-    batch norm absorbs the affine change) and the pattern lives in [0, 1] pixels; each call of
+    batch norm absorbs the affine change) and the pattern lives in [0, 1] pixels (the diversity
+    loss still measures in the official normalisation, see above); each call of
     `train_victim` restarts the pattern generator from its seeded initialization, so a defense
     that retrains a victim repeats the whole attack.
 
@@ -135,8 +152,13 @@ class InputAware(TrainingAttack):
     epochs matter: with 4 (this class's default until Dec 2026) seed 2 reached 79.9% after 100
     unaugmented epochs and 83.2% after 200; with 25, 87.4% and 92.1%. With 25 mask epochs and 200
     unaugmented epochs, seeds 0 / 1 / 2 reach 97.9 / 92.6 / 92.1% (all2one) and, at rho_b = 0.2,
-    96.7 / 91.4 / 92.0% (all2all), CA within 0.6 points of the clean control. The committed table
+    96.7 / 91.4 / 92.0% (all2all), CA within 0.6 points of the clean control (these numbers predate the
+    normalised diversity loss, which on mnist5k doubles the mask pre-training's diversity term). The committed table
     (results/README.md) states the epochs of each row.
+
+    Augmentation: the trainer's, on the batch before the triggers are stamped (the official code
+    augments in its data loader, so its triggers are made from augmented images too), and in mask
+    pre-training; the paper presets set the official crop and rotation (docs/fidelity.md#input-aware).
     """
 
     name = "input_aware"
@@ -156,11 +178,13 @@ class InputAware(TrainingAttack):
         lr_gamma: float = 0.1,
         channels: int | None = None,
         depth: int | None = None,
+        diversity_std: str | float | Sequence[float] | None = "official",
         seed: int = 0,
         **common,
     ) -> None:
         super().__init__(**common)
         image_channels, height, width = self.image_shape
+        self.diversity_std = self._diversity_std(diversity_std, image_channels)
         checks.number("attack", "cross_rate", cross_rate, 0, 1)
         if self.poison_rate + cross_rate > 1:
             raise ConfigError(
@@ -216,6 +240,31 @@ class InputAware(TrainingAttack):
         self._steps_done = 0
         self._total_steps = 0
 
+    def _diversity_std(self, value, channels: int) -> tuple[float, ...] | None:
+        """The per-channel std of the images' normalisation in the diversity loss (None: pixels)."""
+        if value == "official":
+            from backdoorbench.units import INPUT_AWARE_STD
+
+            if self.dataset not in INPUT_AWARE_STD:
+                if self.dataset is not None:
+                    log.warning("input_aware: no official normalisation recorded for dataset %r; the diversity "
+                                "loss measures [0, 1] pixels (set attack.diversity_std to choose)", self.dataset)
+                return None
+            value = INPUT_AWARE_STD[self.dataset]
+        if value is None:
+            return None
+        values = [value] if checks.is_number(value) else value
+        if (isinstance(values, str) or not isinstance(values, Sequence) or len(values) not in (1, channels)
+                or any(not checks.is_number(v) or v <= 0 for v in values)):
+            raise ConfigError(
+                f"attack.diversity_std={value!r} is invalid; use official (the official code's normalisation of "
+                f"the dataset), null ([0, 1] pixels), a number > 0 or a list of {channels} numbers > 0"
+            )
+        return tuple(float(v) for v in values) * (channels if len(values) == 1 else 1)
+
+    def _std_tensor(self) -> Tensor | None:
+        return torch.tensor(self.diversity_std) if self.diversity_std is not None else None
+
     # ---------------------------------------------------------------- triggers
 
     def _nets_to(self, device: torch.device) -> None:
@@ -250,6 +299,7 @@ class InputAware(TrainingAttack):
         optimizer = torch.optim.Adam(net.parameters(), lr=self.mask_lr, betas=(0.5, 0.9))
         images = train.images.to(device)
         batch = trainer.batch_size
+        std = self._std_tensor()
         self.mask_history = []
         for epoch in track(range(self.mask_epochs), "input_aware: mask generator pre-training", unit="epochs"):
             lr = self.mask_lr * self.lr_gamma ** sum(epoch / self.mask_epochs >= m for m in self.mask_milestones)
@@ -268,11 +318,13 @@ class InputAware(TrainingAttack):
                 x1 = to_float(images[first[start : start + batch]])
                 x2 = to_float(images[second[start : start + batch]])
                 if trainer.augment:
-                    x1 = augment_batch(x1, generator, trainer.crop_padding, trainer.hflip)
-                    x2 = augment_batch(x2, generator, trainer.crop_padding, trainer.hflip)
+                    augment = (generator, trainer.crop_padding, trainer.hflip, getattr(trainer, "rotation", 0.0),
+                               getattr(trainer, "rotation_p", 0.5))
+                    x1, x2 = augment_batch(x1, *augment), augment_batch(x2, *augment)
                 m1, m2 = self.masks(x1), self.masks(x2)
                 norm = mask_norm_loss(m1, self.mask_density)
-                div = diversity_loss(x1, x2, m1, m2)
+                # Images normalised, masks not: as the official train_mask_step.
+                div = diversity_loss(x1, x2, m1, m2, image_std=std)
                 loss = self.lambda_norm * norm + self.lambda_div * div
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -337,10 +389,13 @@ class InputAware(TrainingAttack):
         # The paper pairs the i-th attack image with the i-th cross source; without cross rows,
         # attack images are paired among themselves.
         pairs = min(n, len(cross))
+        std = self._std_tensor()  # images and patterns both normalised, as the official train_step
         if pairs:
-            div = diversity_loss(x[attack[:pairs]], x[sources[:pairs]], patterns[:pairs], patterns[n : n + pairs])
+            div = diversity_loss(x[attack[:pairs]], x[sources[:pairs]], patterns[:pairs], patterns[n : n + pairs],
+                                 image_std=std, output_std=std)
         elif n >= 2:
-            div = diversity_loss(x[attack], x[attack.roll(1)], patterns[:n], patterns[:n].roll(1, dims=0))
+            div = diversity_loss(x[attack], x[attack.roll(1)], patterns[:n], patterns[:n].roll(1, dims=0),
+                                 image_std=std, output_std=std)
         else:
             div = x.new_zeros(())
         return images, labels, div
@@ -398,6 +453,9 @@ class InputAware(TrainingAttack):
         distributed.broadcast_state(self.pattern_generator)  # under torchrun: rank 0's batch-norm statistics
         self.pattern_generator.eval()
         self._optimizer = None
+
+    def describe(self) -> dict:
+        return {**super().describe(), "diversity_std": list(self.diversity_std) if self.diversity_std else None}
 
     # ------------------------------------------------------------------ state
 

@@ -1,10 +1,13 @@
 """Trigger generators of the learnable-noise attacks (LIRA, WB): image in [0, 1] -> tanh map in [-1, 1].
 
 The attack scales the map by its eps and adds it to the image, so ||delta||_inf <= eps by
-construction. The layouts follow the LIRA authors' code (Doan et al., ICCV 2021,
-github.com/sunbelbd/invisible_backdoor_attacks): a small convolutional autoencoder for 28x28
-gray digits and a four-level U-Net for colour images. Widths are arguments so a CPU run can
-use a narrower net than the paper's.
+construction. The layouts follow the LIRA authors' code (Doan et al., ICCV 2021;
+github.com/khoadoan106/backdoor_attacks, python/attack_models/): a small autoencoder for 28x28
+gray digits (`MNISTAutoencoder` there), a stride-2 convolutional autoencoder for colour images
+(`Autoencoder`, the default of its `--attack_model` and BackdoorBench's generator for every
+dataset) and a four-level U-Net (`UNet`, what its CIFAR-10 code path builds). Widths are
+arguments so a CPU run can use a narrower net than the paper's. docs/fidelity.md, section lira,
+says which one each dataset uses in the official code.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import Tensor, nn
 from backdoorbench import checks
 from backdoorbench.errors import ConfigError
 
-GENERATORS = ("auto", "autoencoder", "unet")
+GENERATORS = ("auto", "autoencoder", "mnist_autoencoder", "unet")
 
 
 def _conv_bn_relu(conv: nn.Module, channels: int) -> list[nn.Module]:
@@ -46,6 +49,36 @@ class MnistAutoencoder(nn.Module):
             nn.BatchNorm2d(in_channels),
             nn.Tanh(),
         )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.decoder(self.encoder(x))
+        if out.shape[-2:] != x.shape[-2:]:
+            out = F.interpolate(out, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        return out
+
+
+class ColourAutoencoder(nn.Module):
+    """LIRA's colour autoencoder: four stride-2 4x4 convs (batch norm, ReLU) down to 1/16 of the
+    side, four stride-2 4x4 transposed convs back, tanh; no batch norm before the tanh, as in the
+    authors' code.
+
+    With `width=16` the channels are 16-32-64-128 | 64-32-16-C, the authors' and BackdoorBench's
+    (`SCLBD/BackdoorBench` attack/lira.py `Autoencoder(channels)`). The layout is exact for sides
+    that are multiples of 16 (32, 64); other sizes (e.g. 28) are resized back to the input size
+    (bilinear, which keeps the tanh output inside [-1, 1]).
+    """
+
+    def __init__(self, in_channels: int = 3, width: int = 16) -> None:
+        super().__init__()
+        widths = [width, 2 * width, 4 * width, 8 * width]
+        down: list[nn.Module] = []
+        for c_in, c_out in zip([in_channels, *widths[:-1]], widths):
+            down += _conv_bn_relu(nn.Conv2d(c_in, c_out, 4, stride=2, padding=1), c_out)
+        up: list[nn.Module] = []
+        for c_in, c_out in zip(widths[:0:-1], widths[-2::-1]):
+            up += _conv_bn_relu(nn.ConvTranspose2d(c_in, c_out, 4, stride=2, padding=1), c_out)
+        self.encoder = nn.Sequential(*down)
+        self.decoder = nn.Sequential(*up, nn.ConvTranspose2d(width, in_channels, 4, stride=2, padding=1), nn.Tanh())
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.decoder(self.encoder(x))
@@ -98,18 +131,22 @@ class UNet(nn.Module):
 
 
 def build_trigger_generator(kind: str, image_shape: tuple[int, int, int], width: int | None = None) -> nn.Module:
-    """`auto` picks the autoencoder for 1-channel data and the U-Net otherwise, as LIRA does for
-    MNIST and CIFAR10. `width=None` takes the paper's width (16 / 64)."""
+    """`auto` picks the MNIST autoencoder for 1-channel data and the colour autoencoder otherwise
+    (the authors' `--attack_model autoencoder` default and BackdoorBench's choice; their CIFAR-10
+    runs used the U-Net, which `paper_attack/lira/cifar10` selects). `width=None` takes the
+    paper's width (16 for both autoencoders, 64 for the U-Net)."""
     if kind not in GENERATORS:
         raise ConfigError(f"attack.generator={kind!r} is unknown; choose one of: {', '.join(GENERATORS)}")
     channels, height, width_px = image_shape
     if kind == "auto":
-        kind = "autoencoder" if channels == 1 else "unet"
+        kind = "mnist_autoencoder" if channels == 1 else "autoencoder"
     checks.integer("attack", "generator_width", width, 1, allow_none=True)
-    if kind == "autoencoder":
+    if kind in ("autoencoder", "mnist_autoencoder"):
         if min(height, width_px) < 16:
-            raise ConfigError(f"attack.generator=autoencoder needs images of at least 16 px, got {height}x{width_px}")
-        return MnistAutoencoder(channels, width or 16)
+            raise ConfigError(f"attack.generator={kind} needs images of at least 16 px, got {height}x{width_px}")
+        if kind == "mnist_autoencoder":
+            return MnistAutoencoder(channels, width or 16)
+        return ColourAutoencoder(channels, width or 16)
     if min(height, width_px) < 8:
         raise ConfigError(f"attack.generator=unet needs images of at least 8 px, got {height}x{width_px}")
     return UNet(channels, width or 64)

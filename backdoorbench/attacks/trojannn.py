@@ -16,6 +16,7 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.progress import track
 
 CONNECTIONS = ("incoming", "outgoing")
+STARTS = ("mask", "random")
 
 
 class TrojanNN(Attack):
@@ -36,10 +37,14 @@ class TrojanNN(Attack):
     it, stamped with the trigger; we poison the training data with the optimized patch instead
     (the benchmark's threat model: the attacker supplies data, the victim trains from scratch), so
     the patch comes from a surrogate of the same architecture trained on the clean split for
-    `surrogate_epochs` (BackdoorBench: a fully trained clean model). The patch is optimized from a
-    seeded uniform start on a black background by sign-gradient descent on the squared distance
-    to `neuron_target` (`trigger_steps` steps of `trigger_lr`; BackdoorBench: 1000 steps of 0.1
-    within 0.3 of its mask image); the paper's square, Apple-logo and watermark masks become a
+    `surrogate_epochs` (BackdoorBench: a fully trained clean model). As in BackdoorBench, the
+    patch starts from the mask image (`start=mask`: the white square, shown on a black image) and
+    is optimized by sign-gradient descent on the squared distance to `neuron_target`,
+    `trigger_steps` steps of `trigger_lr`, kept within `trigger_eps` (L_inf) of the mask image and
+    in [0, 1] (BackdoorBench: 1000 steps of 0.1 within 0.3). `start=random` (a seeded uniform
+    patch, unconstrained) was the default before: its units were silent on it (ReLU 0, so no
+    gradient), and the patch stayed random. The record says whether the selected units fire
+    (`activation_before/after`). The paper's square, Apple-logo and watermark masks become a
     square here. Every value against its source: docs/fidelity.md#trojannn.
     """
 
@@ -54,8 +59,10 @@ class TrojanNN(Attack):
         num_neurons: int = 2,
         connection: str = "outgoing",
         neuron_target: float = 100.0,
-        trigger_steps: int = 300,
-        trigger_lr: float = 0.02,
+        trigger_steps: int = 1000,
+        trigger_lr: float = 0.1,
+        trigger_eps: float = 0.3,
+        start: str = "mask",
         surrogate_epochs: int = 3,
         **common,
     ) -> None:
@@ -70,6 +77,10 @@ class TrojanNN(Attack):
         for key, value in (("num_neurons", num_neurons), ("trigger_steps", trigger_steps), ("surrogate_epochs", surrogate_epochs)):
             checks.integer("attack", key, value, 1)
         checks.number("attack", "trigger_lr", trigger_lr, 0, 1, low_open=True)
+        checks.number("attack", "trigger_eps", trigger_eps, 0, 1, low_open=True,
+                      hint="L_inf distance the patch may move from the mask image")
+        if start not in STARTS:
+            raise ConfigError(f"attack.start={start!r} is unknown; choose one of: {', '.join(STARTS)}")
         if not checks.is_number(neuron_target):
             raise ConfigError(f"attack.neuron_target={neuron_target!r} is invalid; use a number")
         self.patch_size = patch_size
@@ -79,6 +90,8 @@ class TrojanNN(Attack):
         self.neuron_target = float(neuron_target)
         self.trigger_steps = trigger_steps
         self.trigger_lr = float(trigger_lr)
+        self.trigger_eps = float(trigger_eps)
+        self.start = start
         self.surrogate_epochs = surrogate_epochs
         self.patch: Tensor | None = None  # (C, s, s), set by prepare() or load_state_dict()
         self.neurons: Tensor | None = None
@@ -115,8 +128,12 @@ class TrojanNN(Attack):
             features = model.features(torch.zeros(1, *self.image_shape, device=device))
         self.neurons = select_neurons(model, self.num_neurons, self.connection, feature_dim=features.shape[1])
         channels = self.image_shape[0]
-        start = torch.rand(channels, self.patch_size, self.patch_size, generator=generator)
-        self.patch = self.optimize_patch(model, self.neurons, start)
+        if self.start == "mask":
+            start = torch.ones(channels, self.patch_size, self.patch_size)
+            self.patch = self.optimize_patch(model, self.neurons, start, eps=self.trigger_eps)
+        else:
+            start = torch.rand(channels, self.patch_size, self.patch_size, generator=generator)
+            self.patch = self.optimize_patch(model, self.neurons, start)
 
     def neuron_activation(self, model: nn.Module, patch: Tensor, neurons: Tensor) -> Tensor:
         """Activation of `neurons` in `model.features` for the patch on a black image, shape (k,)."""
@@ -127,12 +144,14 @@ class TrojanNN(Attack):
             features = features.flatten(2).mean(2)
         return features[0, neurons.to(device)]
 
-    def optimize_patch(self, model: nn.Module, neurons: Tensor, start: Tensor) -> Tensor:
-        """Sign-gradient descent of sum_i (a_i(patch) - neuron_target)^2, pixels kept in [0, 1]."""
+    def optimize_patch(self, model: nn.Module, neurons: Tensor, start: Tensor, eps: float | None = None) -> Tensor:
+        """Sign-gradient descent of sum_i (a_i(patch) - neuron_target)^2, pixels kept in [0, 1] and,
+        when `eps` is given, within L_inf `eps` of `start` (BackdoorBench's projection)."""
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
         patch = start.clone().to(device)
+        origin = patch.clone()
         try:
             with torch.no_grad():
                 before = self.neuron_activation(model, patch, neurons)
@@ -140,7 +159,10 @@ class TrojanNN(Attack):
                 patch.requires_grad_(True)
                 cost = ((self.neuron_activation(model, patch, neurons).float() - self.neuron_target) ** 2).sum()
                 (grad,) = torch.autograd.grad(cost, patch)
-                patch = (patch.detach() - self.trigger_lr * grad.sign()).clamp_(0.0, 1.0)
+                patch = patch.detach() - self.trigger_lr * grad.sign()
+                if eps is not None:
+                    patch = origin + (patch - origin).clamp(-eps, eps)
+                patch = patch.clamp_(0.0, 1.0)
             with torch.no_grad():
                 after = self.neuron_activation(model, patch, neurons)
         finally:
@@ -172,6 +194,9 @@ class TrojanNN(Attack):
             "num_neurons": self.num_neurons,
             "neuron_target": self.neuron_target,
             "trigger_steps": self.trigger_steps,
+            "trigger_lr": self.trigger_lr,
+            "trigger_eps": self.trigger_eps,
+            "start": self.start,
             "surrogate_epochs": self.surrogate_epochs,
             **self.stats,
         }

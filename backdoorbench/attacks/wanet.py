@@ -63,13 +63,19 @@ class WaNet(TrainingAttack):
     noise in [-1, 1] / image size and KEEPS its label, so the network learns the exact field
     rather than "any warp". Defaults are the paper's (k=4, s=0.5, grid_rescale=1, cross_ratio=2).
 
+    Training follows the official order: the batch is warped first and then augmented (the
+    trainer's crop and flip, and its rotation when `trainer.rotation` > 0), so the network learns
+    the warp under the same shifts as clean images; the paper presets set the official
+    augmentation (docs/fidelity.md#wanet). All-to-all uses the shared rule y -> (y + 1) mod C, as
+    the official code has since 2022 (before, `remainder(y, C)` left labels unchanged).
+
     Departures from the official code: rows to poison are drawn at random from each batch
     (the official code takes the first rows of a shuffled batch, the same in distribution) and
-    counts are rounded, not floored; the warp acts on the trainer's augmented [0, 1] images
-    (the official code warps first, then crops/rotates); the official all2all labels are
-    `remainder(y, C)`, i.e. unchanged, a bug: we use the shared rule y -> (y + 1) mod C; for
-    non-square images the x and y displacements are scaled by the width and the height
-    (the official code uses the height for both).
+    counts are rounded, not floored; the augmentation draws its crop for each image (official: a
+    coin with p = 0.8 for the whole batch), pads and rotates with black pixels (official: zeros of
+    the normalised image, the mean colour on CIFAR-10); for non-square images the x and y
+    displacements are scaled by the width and the height (the official code uses the height for
+    both).
     """
 
     name = "wanet"
@@ -145,8 +151,14 @@ class WaNet(TrainingAttack):
         labels[poisoned] = self.target_rule(y[poisoned])
         return images, labels
 
+    def poison_step(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """One un-augmented training batch, poisoned by a fresh plan (the trainer augments it next)."""
+        return self.poison_batch(x, y, self.plan_batch(len(y)))
+
     def training_step(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        images, labels = self.poison_batch(x, y, self.plan_batch(len(y)))
+        """Poison and score one batch as it is (no augmentation); `train_victim` instead lets the
+        trainer augment between `poison_step` and the loss, as the official code does."""
+        images, labels = self.poison_step(x, y)
         logits = model(images)
         return F.cross_entropy(logits, labels), logits, labels
 
@@ -157,7 +169,13 @@ class WaNet(TrainingAttack):
         # Each (re)training draws its batch choices from the run's training stream, so a run is
         # reproducible and a defense's retraining gets its own, equally seeded, choices.
         self.batch_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
-        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step, checkpoint=checkpoint)
+        from backdoorbench.train import cross_entropy_step
+
+        # Warp, then augment (the official order): the trainer calls poison_step on the
+        # un-augmented batch, augments the result and scores it with plain cross-entropy.
+        step = wrap_step(cross_entropy_step) if wrap_step is not None else cross_entropy_step
+        trainer.fit(model, train, generator=generator, step=step, poison=self.poison_step, desc="victim",
+                    checkpoint=checkpoint, companion=self)
 
     def training_state(self) -> dict[str, Any]:
         # The warp is fixed; only the stream of per-batch choices moves during training.

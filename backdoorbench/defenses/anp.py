@@ -74,7 +74,8 @@ class AdversarialNeuronPruning(Defense):
     0.2 (the official code sweeps thresholds on test data, which a defense never sees); the
     perturbation is clipped to [-eps, eps] after its step, as the paper states (the official code
     lets one step leave the box); only BatchNorm2d neurons are perturbed (the architectures here
-    have no BatchNorm1d). The optimization runs in float32 (no autocast).
+    have no BatchNorm1d). The optimization runs in the run's precision
+    (`trainer.precision`, backdoorbench/precision.py; fp32 on the CPU).
     Ledger: docs/fidelity.md#anp.
     """
 

@@ -72,7 +72,8 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
     formulation; the official code has this projection commented out, and without it delta grew
     to norms in the thousands on MNIST. (3) At least one image per batch carries delta (1% of a
     batch under 100 is none). (4) The official inner map always uses the first clean batch, ours
-    the current batch. Everything runs in float32.
+    the current batch. Everything runs in the run's precision
+    (`trainer.precision`, backdoorbench/precision.py; fp32 on the CPU).
     Ledger: docs/fidelity.md#i-bau.
     """
 

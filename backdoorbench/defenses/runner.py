@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult, InputDefense
 from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.accuracy import evaluate
+from backdoorbench.metrics.cost import PassCounter, cost_summary, forward_flops_per_image
 from backdoorbench.metrics.detection import auroc, detection_rates
 
 
@@ -23,12 +25,26 @@ class DefenseOutcome:
     extras: dict[str, Any]
     model: nn.Module | None = None  # the repaired / retrained model, when the defense makes one
     artifacts: dict[str, Any] = field(default_factory=dict)  # arrays for figures, saved beside the record
+    cost: dict[str, Any] | None = None  # the record's defense_cost: see metrics/cost.py
 
 
 def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Split) -> DefenseOutcome:
-    """Apply `defense` to `ctx` and measure the defended model (or detector) on `test`."""
-    result = defense.apply(ctx)
-    outcome = _score(defense, result, ctx, attack, test)
+    """Apply `defense` to `ctx` and measure the defended model (or detector) on `test`.
+    The defense's compute is counted (`outcome.cost`): `apply`, and the retraining on the kept
+    data of a pre-training detector; not the scoring on the test set, except an input detector's
+    own passes per test input (`per_input_forward_images`), its price at inference."""
+    counter = PassCounter()
+    counter.watch(ctx.model)
+    flops = forward_flops_per_image(ctx.model, tuple(test.images.shape[1:]))
+    if ctx.build_model is not None:
+        build = ctx.build_model
+        ctx = dataclasses.replace(ctx, build_model=lambda **kwargs: counter.watch(build(**kwargs)))
+    # The defense runs, and is scored, in the run's precision (`trainer.autocast()`), the one the
+    # victim was trained and its CA measured in.
+    with counter.counting(), ctx.trainer.autocast():
+        result = defense.apply(ctx)
+    outcome = _score(defense, result, ctx, attack, test, counter)
+    outcome.cost = {**cost_summary(counter, len(ctx.poisoned_train), flops), **(outcome.cost or {})}
 
     def measure(model: nn.Module) -> dict[str, float]:
         return evaluate(model, ctx.trainer, attack, test)
@@ -37,7 +53,9 @@ def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Spl
     return outcome
 
 
-def _score(defense: Defense, result: DefenseResult, ctx: DefenseContext, attack: Attack, test: Split) -> DefenseOutcome:
+def _score(defense: Defense, result: DefenseResult, ctx: DefenseContext, attack: Attack, test: Split,
+           counter: PassCounter | None = None) -> DefenseOutcome:
+    counter = counter or PassCounter()
     extras = dict(result.extras)
     trainer = ctx.trainer
     if defense.stage in ("post_train", "in_train"):
@@ -58,26 +76,30 @@ def _score(defense: Defense, result: DefenseResult, ctx: DefenseContext, attack:
         kept = torch.nonzero(~result.flagged.bool().cpu()).flatten()
         if len(kept) == 0:
             raise ConfigError(f"defense {defense.name} flagged every training sample; nothing is left to retrain on")
-        model = ctx.build_model()
-        ctx.train_victim(model, train=ctx.poisoned_train.subset(kept))
+        with counter.counting():
+            model = ctx.build_model()
+            ctx.train_victim(counter.watch(model), train=ctx.poisoned_train.subset(kept))
         extras["n_kept"] = int(len(kept))
         return DefenseOutcome(evaluate(model, trainer, attack, test), detection, extras, model)
 
     if defense.stage == "input":
         assert isinstance(defense, InputDefense)
-        return _score_input_defense(defense, ctx.model, trainer, attack, test, extras)
+        return _score_input_defense(defense, ctx.model, trainer, attack, test, extras, counter)
     raise ConfigError(f"defense {defense.name!r} has unknown stage {defense.stage!r}")
 
 
 @torch.no_grad()
 def _score_input_defense(
-    defense: InputDefense, model: nn.Module, trainer, attack: Attack, test: Split, extras: dict[str, Any]
+    defense: InputDefense, model: nn.Module, trainer, attack: Attack, test: Split, extras: dict[str, Any],
+    counter: PassCounter | None = None,
 ) -> DefenseOutcome:
     """Rejected inputs count as neither correct nor attacked: CA after = accepted and correct,
     ASR after = accepted and sent to the target, RA after = accepted and correct."""
     device = trainer.device
     model = trainer.prepare(model).eval()
     attackable = attack.target_rule(test.labels) != test.labels
+    scoring = PassCounter()  # the detector's own passes, apart from the predictions it guards
+    PassCounter.watch(model)
 
     def scores_and_predictions(images: torch.Tensor, triggered: bool):
         scores, predictions = [], []
@@ -85,12 +107,14 @@ def _score_input_defense(
             x = to_float(images[start : start + trainer.eval_batch_size].to(device))
             if triggered:
                 x = attack.apply_trigger(x)
-            scores.append(defense.score_inputs(model, x).float().cpu())
+            with scoring.counting():
+                scores.append(defense.score_inputs(model, x).float().cpu())
             predictions.append(model(x).argmax(1).cpu())
         return torch.cat(scores), torch.cat(predictions)
 
-    clean_scores, clean_pred = scores_and_predictions(test.images, triggered=False)
-    bad_scores, bad_pred = scores_and_predictions(test.images[attackable], triggered=True)
+    with trainer.autocast():  # the precision of the CA these scores are compared with
+        clean_scores, clean_pred = scores_and_predictions(test.images, triggered=False)
+        bad_scores, bad_pred = scores_and_predictions(test.images[attackable], triggered=True)
     labels = test.labels[attackable]
     targets = attack.target_rule(labels)
     clean_ok = clean_scores <= defense.threshold
@@ -107,4 +131,29 @@ def _score_input_defense(
         "asr": int(((bad_pred == targets) & bad_ok).sum()) / len(labels),
         "ra": int(((bad_pred == labels) & bad_ok).sum()) / len(labels),
     }
-    return DefenseOutcome(defended, detection, extras, artifacts=defense.score_artifacts(clean_scores, bad_scores))
+    scored = len(clean_scores) + len(bad_scores)
+    cost = {"per_input_forward_images": scoring.forward_images / scored if scored else None}
+    return DefenseOutcome(defended, detection, extras, artifacts=defense.score_artifacts(clean_scores, bad_scores),
+                          cost=cost)
+
+
+def benign_false_positives(defense: Defense, outcome: DefenseOutcome, n_train: int) -> dict[str, Any] | None:
+    """What a detector flags when there is nothing to find (issue 18, protocol 3): run on a clean
+    victim (attack=none), every flag is a false positive. `false_positive` in [0, 1] is
+    - pre-training detectors (Spectral, AC): the share of the clean training set removed;
+    - input detectors (STRIP): the share of clean test inputs rejected at the calibrated threshold;
+    - class detectors (Neural Cleanse, whose extras name the `flagged` classes): 1 if any class is
+      flagged on the clean model, else 0, with the classes.
+    None for a defense that only repairs (it flags nothing to be wrong about)."""
+    detection = outcome.detection or {}
+    if defense.stage == "pre_train" and "n_flagged" in detection:
+        return {"measure": "share of the clean training set removed",
+                "false_positive": detection["n_flagged"] / n_train if n_train else 0.0,
+                "n_flagged": int(detection["n_flagged"])}
+    if defense.stage == "input" and detection.get("fpr") is not None:
+        return {"measure": "share of clean test inputs rejected", "false_positive": float(detection["fpr"])}
+    flagged = outcome.extras.get("flagged")
+    if isinstance(flagged, list):
+        return {"measure": "any class flagged on a clean model", "false_positive": float(bool(flagged)),
+                "flagged_classes": [int(c) for c in flagged]}
+    return None

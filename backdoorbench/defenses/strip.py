@@ -55,6 +55,9 @@ class Strip(InputDefense):
     adds normalized float images without clipping; saturation is what adding 8-bit images does);
     calibration uses the clean subset (the paper's held-out clean set), each image superimposed
     with N others from it, never with itself; N = 100 and FRR = 1% are the paper's defaults.
+    Calibration and scoring run in the run's precision (`trainer.autocast()`, backdoorbench/
+    precision.py), the one the CA and ASR they are compared with are measured in: scored in fp32
+    against a bf16 CA, a faint trigger would be judged on more of itself than the model sees.
     """
 
     name = "strip"
@@ -113,7 +116,8 @@ class Strip(InputDefense):
         self._overlays = clean.images.to(device)  # uint8 on the device, converted per batch
         self._generator = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=ctx.generator)))
         model = ctx.trainer.prepare(ctx.model).eval()
-        entropies = self.entropy(model, to_float(clean.images.to(device)), exclude=torch.arange(len(clean)))
+        with ctx.trainer.autocast():  # calibrated in the precision the test inputs are scored in
+            entropies = self.entropy(model, to_float(clean.images.to(device)), exclude=torch.arange(len(clean)))
         cutoff = frr_cutoff(entropies, self.frr)
         normal = normal_fit_cutoff(entropies, self.frr)
         self.threshold = -cutoff  # reject when -entropy > -cutoff, i.e. entropy < cutoff

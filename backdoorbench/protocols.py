@@ -1,0 +1,51 @@
+"""Issue 18's evaluation protocols over many records: which hyper-parameters a defense's
+sensitivity sweep varies, and the defaults they vary around. The sweeps themselves are the
+presets `conf/experiment/sensitivity_<defense>.yaml` and `clean_budget.yaml`; the ledger gives
+the source of each choice (docs/fidelity.md#protocols)."""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any
+
+from omegaconf import OmegaConf
+
+# defense -> the config keys (under `defense.`) its sensitivity sweep varies: the one or two
+# values a user of the defense must choose and the paper or its code fixed.
+SENSITIVITY: dict[str, tuple[str, ...]] = {
+    "fine_tuning": ("lr",),
+    "fine_pruning": ("max_acc_drop",),
+    "neural_cleanse": ("anomaly_threshold",),
+    "nad": ("betas",),
+    "anp": ("threshold",),
+    "i_bau": ("rounds",),
+    "clp": ("u",),
+    "angular_margin": ("penalty_weight",),
+    "abl": ("isolation_ratio",),
+    "spectral": ("expected_poison_rate",),
+    "activation_clustering": ("analysis",),
+    "strip": ("frr",),
+}
+
+# The defenses that use the defender's clean subset: the clean-budget sweep's defenses.
+CLEAN_BUDGET_DEFENSES = ("fine_tuning", "fine_pruning", "neural_cleanse", "nad", "anp", "i_bau", "strip")
+CLEAN_BUDGET_KEY = "clean_fraction"
+
+
+@functools.lru_cache(maxsize=None)
+def defense_defaults(name: str) -> dict[str, Any]:
+    """The values of `conf/defense/<name>.yaml` (the defaults a sweep is centred on); {} if none."""
+    path = resources.files("backdoorbench.conf").joinpath("defense", f"{name}.yaml")
+    if not path.is_file():
+        return {}
+    node = OmegaConf.to_container(OmegaConf.create(path.read_text(encoding="utf-8")), resolve=False)
+    return node if isinstance(node, dict) else {}
+
+
+def at_defaults(defense_config: dict[str, Any] | None, name: str) -> bool:
+    """Whether a record's `config.defense` has the default value of every key `name` sweeps."""
+    defaults = defense_defaults(name)
+    keys = SENSITIVITY.get(name, ())
+    return bool(keys) and defense_config is not None and all(
+        key in defaults and defense_config.get(key) == defaults[key] for key in keys)

@@ -1,0 +1,289 @@
+"""Scale rehearsal (issue 13): every attack, with its default config, on three datasets of the
+shapes and class counts of the real ones, written in their real file formats and read by the
+real loaders:
+
+- mnist:          10 classes, 28x28x1 (gzipped IDX), target class 0 below 10% of the set, as in
+                  full MNIST (5,923 of 60,000);
+- gtsrb:          43 classes, 32x32x3 (PPM folders + CSV, resized), target class 0 rare (GTSRB's
+                  class 0 holds 210 of 39,209 images);
+- tiny_imagenet: 200 classes, 64x64x3 (JPEG folders), 0.5% of the set per class.
+
+For each (dataset, attack) the pipeline's own steps run: validate_config, the dataset, attack,
+trainer and model built from the composed config, the attack's preparation (surrogates, mask
+pre-training), the poisoning, one tiny training of the victim (one epoch of batches of 128;
+training-controlled attacks through their own step) and the evaluation. Then the attack's
+defining property is checked on that data: the poisoned count and which samples are eligible,
+the target rule on poisoned labels (all2one and all2all), the test-time trigger changing every
+image within the attack's budget.
+
+These are the runs that would have caught issue 13's findings 4 (WB's target-class reference
+empty in a batch of many-class data) and 10 (clean-label rates as a share of the whole set,
+refused where the target class is under 10% of it). Only the model is not the default: the
+small CNN (`model=mnist_cnn`, 32 hidden units) takes every shape here and keeps the runs short.
+The quick suite runs the cheap attacks on mnist and gtsrb and one of each kind on tiny_imagenet
+(~20 s); the attacks that train a surrogate or a trigger generator (label_consistent, trojannn,
+input_aware, lira, wb), the other 64 px runs and every all2all run are marked slow.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backdoorbench.attacks.base import TrainingAttack
+from backdoorbench.datasets.spec import dataset_spec
+from backdoorbench.errors import ConfigError
+from backdoorbench.metrics import evaluate
+from backdoorbench.pipeline import build, build_model, prepare_attack, stream, validate_config
+from tests import dataset_files as files
+from tests.tiny import one_thread  # noqa: F401  (autouse: one thread for these tiny nets)
+
+ATTACKS = ("none", "badnets", "blended", "sig", "bpp", "refool", "adaptive_blend", "wanet",
+           "label_consistent", "trojannn", "input_aware", "lira", "wb")
+SLOW = {"label_consistent", "trojannn", "input_aware", "lira", "wb"}  # surrogates / trigger generators
+# 64 px costs ~10x 28 px per image: the quick suite keeps one attack of each kind there (dirty-label,
+# clean-label, training-controlled); the others run with -m slow.
+QUICK_AT_64PX = {"badnets", "sig", "wanet"}
+CLEAN_LABEL = {"sig", "label_consistent", "refool"}
+DATASETS = ("mnist", "gtsrb", "tiny_imagenet")
+TARGET = 0
+PIXEL = 1 / 255 + 1e-6  # one uint8 level: what storing a poisoned image as uint8 may add
+
+
+# ------------------------------------------------------------------------------------ the files
+
+def write_mnist(root: Path) -> None:
+    """10 classes x 8 training images, class 0 with 7 (8.9% of the set, under 10%)."""
+    written = files.write_mnist(root, train_per_class=8, test_per_class=3, seed=1)
+    images, labels = written["train"]
+    keep = np.ones(len(labels), dtype=bool)
+    keep[np.flatnonzero(labels == TARGET)[0]] = False
+    raw = root / "MNIST" / "raw"
+    (raw / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(files.idx_bytes(images[keep])))
+    (raw / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(files.idx_bytes(labels[keep])))
+
+
+def write_gtsrb(root: Path) -> None:
+    """43 classes x 6 training signs, class 0 with 2 (0.8% of the set); every class in the test set."""
+    files.write_gtsrb(root, train_per_class=6, n_test=43, seed=1)
+    folder = root / "gtsrb" / "GTSRB" / "Training" / f"{TARGET:05d}"
+    csv = folder / f"GT-{TARGET:05d}.csv"
+    rows = csv.read_text().splitlines()
+    for row in rows[3:]:
+        (folder / row.split(";")[0]).unlink()
+    csv.write_text("\n".join(rows[:3]) + "\n")
+
+
+def write_tiny_imagenet(root: Path) -> None:
+    """200 classes x 1 training image (0.5% of the set each, as the real 500 of 100,000)."""
+    files.write_tiny_imagenet(root, train_per_class=1, n_val=40, seed=1)
+
+
+WRITERS = {"mnist": write_mnist, "gtsrb": write_gtsrb, "tiny_imagenet": write_tiny_imagenet}
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    """dataset name -> a folder holding its files, written on first use (the loader's tensor
+    cache under it then serves every later run)."""
+    made: dict[str, Path] = {}
+
+    def root(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(f"scale_{name}")
+            WRITERS[name](made[name])
+        return made[name]
+
+    return root
+
+
+def compose(compose_cfg, roots, dataset: str, attack: str, tmp_path: Path, *extra: str):
+    return compose_cfg(f"dataset={dataset}", f"dataset.root={roots(dataset)}", f"attack={attack}",
+                       "model=mnist_cnn", "model.hidden=32", "trainer.epochs=1", "trainer.progress=false",
+                       "device=cpu", "cache=false", "logger=none", f"results_dir={tmp_path}", *extra)
+
+
+# ------------------------------------------------------------------------------------ one run
+
+class StepRecorder:
+    """Wraps the victim's training step (the pipeline's in-training hook) and keeps, per batch,
+    the labels that went in and the labels the step scored."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def __call__(self, step):
+        def recorded(model, x, y):
+            loss, logits, scored = step(model, x, y)
+            self.batches.append((y.detach().cpu(), scored.detach().cpu(), float(loss.detach())))
+            return loss, logits, scored
+
+        return recorded
+
+
+def rehearse(cfg, tmp_path: Path):
+    """The pipeline's steps up to the attacked model's metrics (pipeline.run / obtain_victim)."""
+    validate_config(cfg)
+    torch.manual_seed(cfg.seed)
+    data = build(cfg.dataset)
+    spec = dataset_spec(cfg.dataset)
+    assert (data.num_classes, data.image_shape) == (spec.num_classes, spec.image_shape)
+    attack = build(cfg.attack, num_classes=data.num_classes, image_shape=data.image_shape)
+    trainer = build(cfg.trainer, device=cfg.device, crop_padding=data.crop_padding, hflip=data.hflip)
+    prepare_attack(attack, tmp_path / "prepare.pt", trainer=trainer, train=data.train,
+                   generator=stream(cfg.seed, "attack"), build_model=lambda **kw: build_model(cfg, data, **kw))
+    poisoned = attack.poison_dataset(data.train, stream(cfg.seed, "poison"))
+    model = build_model(cfg, data)
+    recorder = StepRecorder()
+    attack.train_victim(trainer, model, poisoned.split, stream(cfg.seed, "train"), wrap_step=recorder)
+    metrics = evaluate(model, trainer, attack, data.test)
+    return data, attack, poisoned, recorder, metrics
+
+
+# ------------------------------------------------------------------------------------ the checks
+
+def check_poisoning(attack, data, poisoned) -> None:
+    """The count rule, who is eligible, what happens to labels, and that only the chosen (and an
+    attack's documented extra label-keeping) images change."""
+    y, n = data.train.labels, len(data.train)
+    indices = poisoned.indices
+    if isinstance(attack, TrainingAttack) or attack.name == "none":
+        assert len(indices) == 0  # training-controlled: the training set itself stays clean
+        assert torch.equal(poisoned.split.images, data.train.images) and torch.equal(poisoned.split.labels, y)
+        return
+    in_target = y == TARGET
+    if attack.clean_label:  # a share of the target class: the default 1.0 is all of it, however rare
+        assert len(indices) == round(attack.poison_rate * int(in_target.sum())) == int(in_target.sum())
+        assert bool(in_target[indices].all())
+        assert torch.equal(poisoned.split.labels, y)
+    else:  # a share of the whole set, drawn from every class, relabelled by the target rule
+        assert len(indices) == round(attack.poison_rate * n)
+        assert torch.equal(poisoned.split.labels[indices], attack.target_rule(y[indices]))
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[indices] = False
+    assert torch.equal(poisoned.split.labels[untouched], y[untouched])
+    extra = {"bpp": "negative_indices", "adaptive_blend": "cover_indices"}.get(attack.name)
+    if extra is not None:  # label-keeping extras: disjoint from the poisoned set, round(ratio * N) of it
+        kept = getattr(attack, extra)
+        ratio = attack.neg_ratio if attack.name == "bpp" else attack.cover_rate
+        assert len(kept) == round(ratio * n) and not bool(torch.isin(kept, indices).any())
+        untouched[kept] = False
+    assert torch.equal(poisoned.split.images[untouched], data.train.images[untouched])
+    changed = (poisoned.split.images[indices] != data.train.images[indices]).flatten(1).any(1)
+    assert bool(changed.all()), f"{int((~changed).sum())} poisoned images were left as they were"
+
+
+def check_training_steps(attack, recorder: StepRecorder) -> None:
+    """The victim trained through the attack's own step, every loss finite; training-controlled
+    attacks relabel their share of each batch by the target rule."""
+    assert recorder.batches and all(math.isfinite(loss) for *_, loss in recorder.batches)
+    for y, scored, _ in recorder.batches:
+        if attack.name in ("lira", "wb"):  # clean rows, then the triggered copies of the first ones
+            count = max(1, round(attack.poison_rate * len(y)))
+            assert torch.equal(scored[: len(y)], y) and torch.equal(scored[len(y):], attack.target_rule(y[:count]))
+        elif attack.name in ("wanet", "input_aware"):  # round(rate * B) rows go to the target rule
+            moved = scored != y
+            assert torch.equal(scored[moved], attack.target_rule(y[moved]))
+            relabelled = scored == attack.target_rule(y)
+            assert int(relabelled.sum()) >= round(attack.poison_rate * len(y))
+        else:  # data poisoning: plain cross-entropy on the (already poisoned) labels
+            assert torch.equal(scored, y)
+
+
+def check_trigger(attack, data, poisoned) -> None:
+    """apply_trigger: same shape, in [0, 1], every test image changed, within the attack's budget."""
+    x = data.test.float_images()[:16]
+    with torch.no_grad():
+        xt = attack.apply_trigger(x.clone())
+    assert xt.shape == x.shape and xt.dtype == x.dtype
+    assert float(xt.min()) >= 0 and float(xt.max()) <= 1
+    diff = (xt - x).abs()
+    if attack.name == "none":
+        assert torch.equal(xt, x)
+        return
+    assert bool((diff.flatten(1).amax(1) > 0).all()), "the trigger left a test image unchanged"
+    _, height, width = data.image_shape
+    name = attack.name
+    if name in ("badnets", "trojannn"):  # a patch: nothing outside it changes
+        assert float(diff[..., ~attack.patch_mask()].max()) == 0
+    elif name == "blended":
+        assert torch.allclose(xt, (1 - attack.alpha) * x + attack.alpha * attack.pattern, atol=1e-6)
+    elif name == "adaptive_blend":
+        assert torch.allclose(xt, (1 - attack.test_alpha) * x + attack.test_alpha * attack.pattern, atol=1e-6)
+    elif name == "sig":  # the column sinusoid at test_delta, the same in every row and channel
+        assert float(diff.max()) <= attack.test_delta + 1e-6
+        unclamped = (x > attack.test_delta) & (x < 1 - attack.test_delta)
+        assert torch.allclose((xt - x)[unclamped], (attack.test_delta * attack.signal).expand_as(x)[unclamped], atol=1e-6)
+    elif name == "bpp":  # squeeze_num levels per channel
+        levels = xt * (attack.squeeze_num - 1)
+        assert torch.allclose(levels, levels.round(), atol=1e-5)
+    elif name == "label_consistent":  # the corner pattern only; the PGD budget is on the training images
+        assert float(diff[..., attack.pattern == 0].max()) == 0
+        hard = poisoned.split.float_images()[poisoned.indices]
+        clean = data.train.float_images()[poisoned.indices]
+        off_corners = (attack.pattern == 0).expand_as(hard)
+        assert float((hard - clean).abs()[off_corners].max()) <= attack.eps + PIXEL
+    elif name == "refool":  # a reflection blended in: changes spread over the image, not a patch
+        assert float((diff.flatten(1) > 0).float().mean()) > 0.5
+    elif name == "wanet":  # a smooth warp of at most s/2 * max|flow| px, sampling inside the image
+        pixels = attack.displacement().abs() * (torch.tensor([width, height]) - 1) / 2
+        assert 0 < float(pixels.max()) <= attack.s * float(attack.flow.abs().max()) / 2 + 1e-5
+        assert float(attack.grid.abs().max()) <= 1
+    elif name == "input_aware":  # x + m(x) * (p(x) - x): changes only where the mask is
+        with torch.no_grad():
+            masks = attack.masks(x)
+        assert bool((diff <= masks + 1e-6).all())
+    elif name in ("lira", "wb"):  # eps-bounded noise (test_eps) in pixel units
+        assert float(diff.max()) <= attack.test_eps + 1e-6
+    else:
+        raise AssertionError(f"no defining property checked for attack {name!r}")
+
+
+# ------------------------------------------------------------------------------------ the tests
+
+def slow(dataset: str, attack: str) -> bool:
+    return attack in SLOW or (dataset == "tiny_imagenet" and attack not in QUICK_AT_64PX)
+
+
+def rehearsal_params():
+    return [pytest.param(dataset, attack, id=f"{dataset}-{attack}", marks=[pytest.mark.slow] if slow(dataset, attack) else [])
+            for dataset in DATASETS for attack in ATTACKS]
+
+
+@pytest.mark.parametrize("dataset, attack", rehearsal_params())
+def test_default_attack_runs_and_keeps_its_property(dataset, attack, compose_cfg, roots, tmp_path):
+    cfg = compose(compose_cfg, roots, dataset, attack, tmp_path)
+    data, attack_obj, poisoned, recorder, metrics = rehearse(cfg, tmp_path)
+    expected = {"mnist": (10, (1, 28, 28)), "gtsrb": (43, (3, 32, 32)), "tiny_imagenet": (200, (3, 64, 64))}[dataset]
+    assert (data.num_classes, data.image_shape) == expected
+    assert attack_obj.target_mode == "all2one" and attack_obj.target == TARGET
+    check_poisoning(attack_obj, data, poisoned)
+    check_training_steps(attack_obj, recorder)
+    check_trigger(attack_obj, data, poisoned)
+    assert all(0 <= metrics[key] <= 1 for key in ("clean_acc", "asr", "ra"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_default_attack_all2all(dataset, attack, compose_cfg, roots, tmp_path):
+    """all2all: y -> (y + 1) mod C on every poisoned label; clean-label attacks refuse it in one line
+    before any data loads."""
+    cfg = compose(compose_cfg, roots, dataset, attack, tmp_path, "attack.target_mode=all2all")
+    if attack in CLEAN_LABEL:
+        with pytest.raises(ConfigError) as excinfo:
+            validate_config(cfg)
+        assert "\n" not in str(excinfo.value) and "all2all" in str(excinfo.value)
+        return
+    data, attack_obj, poisoned, recorder, _ = rehearse(cfg, tmp_path)
+    rule = attack_obj.target_rule
+    y = torch.arange(data.num_classes)
+    assert torch.equal(rule(y), (y + 1) % data.num_classes)
+    check_poisoning(attack_obj, data, poisoned)
+    check_training_steps(attack_obj, recorder)
+    check_trigger(attack_obj, data, poisoned)
