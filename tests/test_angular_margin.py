@@ -236,7 +236,7 @@ def test_paper_recipe_is_the_authors_training_network_and_evaluation(compose_cfg
     # MTandHJ/rbc@4f3b8a9 train_model.py / utils/config.py / utils/loadopts.py
     assert cfg.dataset._target_.endswith("load_mnist") and cfg.model._target_.endswith("RbcMnist")
     t = cfg.trainer
-    assert (t.epochs, t.batch_size, t.schedule, t.augment, t.amp) == (400, 128, "constant", False, False)
+    assert (t.epochs, t.batch_size, t.schedule, t.augment, t.precision) == (400, 128, "constant", False, "fp32")
     optimizer = instantiate(t.optimizer)([nn.Parameter(torch.zeros(1))])
     assert type(optimizer) is torch.optim.Adam
     group = optimizer.param_groups[0]
