@@ -550,6 +550,7 @@ def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10
         _shared_legend(fig, max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])), spare)
         fig.suptitle(f"Angular margin: clean and robust accuracy vs λ, {dataset} (mean ± std over seeds)")
         written += save_figure(fig, out, f"{dataset}_8_penalty_weight{suffix}")
+    return written
 
 
 def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
@@ -597,6 +598,7 @@ def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
         _shared_legend(fig, axes[0], spare)
         fig.suptitle(f"CA and ASR after the defense vs its clean-data budget, {dataset} (mean ± std over seeds)")
         written += save_figure(fig, out, f"{dataset}_9_clean_budget{suffix}")
+    return written
 
 
 UNDEFENDED = "no defense (victim)"
