@@ -208,14 +208,14 @@ def test_the_figure_draws_a_curve_per_defense_and_is_skipped_with_its_command(tm
     folder = tmp_path / "runs" / "mnist5k" / "badnets_all2one"
     save_record(make_record(run_id="x"), folder / "x.json")
     skipped = []
-    assert write_figures(tmp_path, report=skipped.append)[7] == []
+    assert write_figures(tmp_path, report=skipped.append)[10] == []
     assert any(line.startswith("skipped figure 10") and "eval.reactivation.enabled=true" in line for line in skipped)
     for seed in range(2):
         save_record(reactivated([0.0, 0.4 + 0.1 * seed, 0.9], [0.0, 0.0, 0.1], run_id=f"f{seed}", seed=seed), folder / f"f{seed}.json")
         save_record(reactivated([0.0, 0.0, 0.05], [0.0, 0.0, 0.1], run_id=f"n{seed}", seed=seed, defense={"name": "nad"}),
                     folder / f"n{seed}.json")
-    written = write_figures(tmp_path, report=lambda line: None)[7]
-    assert sorted(p.name for p in written) == ["mnist5k_10_reactivation.pdf", "mnist5k_7_reactivation.png"]
+    written = write_figures(tmp_path, report=lambda line: None)[10]
+    assert sorted(p.name for p in written) == ["mnist5k_10_reactivation.pdf", "mnist5k_10_reactivation.png"]
     from backdoorbench.figures import Run, _reactivation_curves
     from backdoorbench.leaderboard import load_records_with_paths
 

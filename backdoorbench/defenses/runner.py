@@ -35,7 +35,8 @@ def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Spl
     own passes per test input (`per_input_forward_images`), its price at inference."""
     counter = PassCounter()
     counter.watch(ctx.model)
-    flops = forward_flops_per_image(ctx.model, tuple(test.images.shape[1:]))
+    with ctx.trainer.autocast():  # every forward of the defense stage in the run's precision
+        flops = forward_flops_per_image(ctx.model, tuple(test.images.shape[1:]))
     if ctx.build_model is not None:
         build = ctx.build_model
         ctx = dataclasses.replace(ctx, build_model=lambda **kwargs: counter.watch(build(**kwargs)))

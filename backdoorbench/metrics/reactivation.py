@@ -180,7 +180,7 @@ def _retune(model: nn.Module, trainer, attack: Attack, train: Split, test: Split
                 augmented = augment_batch(x, generator, trainer.crop_padding, trainer.hflip)
                 x = torch.where(poisoned[index][:, None, None, None], x, augmented)
             net.train()
-            with trainer._autocast():
+            with trainer.autocast():
                 loss = F.cross_entropy(net(x.contiguous(memory_format=trainer.memory_format)), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

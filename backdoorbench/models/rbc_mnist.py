@@ -62,8 +62,8 @@ class RbcMnist(ImageClassifier):
             *conv(in_channels, 32), *conv(32, 32), nn.MaxPool2d(2),
             *conv(32, 64), *conv(64, 64), nn.MaxPool2d(2),
             nn.Flatten(),
-            nn.Linear(64 * side * side, hidden), nn.ReLU(), nn.BatchNorm1d(hidden),
+            nn.Linear(64 * side * side, hidden), act_layer(), nn.BatchNorm1d(hidden),
             nn.Linear(hidden, num_features),
             feature_act(),
         )
-        self.classifier = (head or NormActLinear)(num_features, num_classes)
+        self.classifier = head(num_features, num_classes) if head else NormActLinear(num_features, num_classes, act_layer)
