@@ -102,10 +102,19 @@ def roots(tmp_path_factory):
     return root
 
 
+# One tiny step: the attacks' own pre-training loops shrink to one pass (as trainer.epochs=1 does for the
+# victim); every value that defines the trigger, the rates and the target rule stays the default.
+TINY_STEP = {"input_aware": ["attack.mask_epochs=1"],
+             "lira": ["attack.stage1_epochs=1"], "wb": ["attack.stage1_epochs=1"],
+             "label_consistent": ["attack.surrogate_epochs=1", "attack.surrogate_adv_steps=2", "attack.pgd_steps=10"],
+             "trojannn": ["attack.surrogate_epochs=1", "attack.trigger_steps=50"]}
+
+
 def compose(compose_cfg, roots, dataset: str, attack: str, tmp_path: Path, *extra: str):
     return compose_cfg(f"dataset={dataset}", f"dataset.root={roots(dataset)}", f"attack={attack}",
                        "model=mnist_cnn", "model.hidden=32", "trainer.epochs=1", "trainer.progress=false",
-                       "device=cpu", "cache=false", "logger=none", f"results_dir={tmp_path}", *extra)
+                       "device=cpu", "cache=false", "logger=none", f"results_dir={tmp_path}",
+                       *TINY_STEP.get(attack, []), *extra)
 
 
 # ------------------------------------------------------------------------------------ one run
