@@ -125,6 +125,18 @@ class StepRecorder:
 
     def __init__(self) -> None:
         self.batches: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self.poisoned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (labels in, labels out) of a poison hook
+
+    def watch_poison(self, attack) -> None:
+        """WaNet poisons the un-augmented batch in the trainer's `poison=` hook, before the step."""
+        hook = attack.poison_step
+
+        def recorded(x, y):
+            x_out, y_out = hook(x, y)
+            self.poisoned.append((y.detach().cpu(), y_out.detach().cpu()))
+            return x_out, y_out
+
+        attack.poison_step = recorded
 
     def __call__(self, step):
         def recorded(model, x, y):
@@ -149,6 +161,8 @@ def rehearse(cfg, tmp_path: Path):
     poisoned = attack.poison_dataset(data.train, stream(cfg.seed, "poison"))
     model = build_model(cfg, data)
     recorder = StepRecorder()
+    if hasattr(attack, "poison_step"):
+        recorder.watch_poison(attack)
     attack.train_victim(trainer, model, poisoned.split, stream(cfg.seed, "train"), wrap_step=recorder)
     metrics = evaluate(model, trainer, attack, data.test)
     return data, attack, poisoned, recorder, metrics
@@ -195,13 +209,21 @@ def check_training_steps(attack, recorder: StepRecorder) -> None:
         if attack.name in ("lira", "wb"):  # clean rows, then the triggered copies of the first ones
             count = max(1, round(attack.poison_rate * len(y)))
             assert torch.equal(scored[: len(y)], y) and torch.equal(scored[len(y):], attack.target_rule(y[:count]))
-        elif attack.name in ("wanet", "input_aware"):  # round(rate * B) rows go to the target rule
+        elif attack.name == "wanet":  # poisoned before augmentation (the poison hook); plain CE in the step
+            assert torch.equal(scored, y)
+        elif attack.name == "input_aware":  # round(rate * B) rows go to the target rule
             moved = scored != y
             assert torch.equal(scored[moved], attack.target_rule(y[moved]))
             relabelled = scored == attack.target_rule(y)
             assert int(relabelled.sum()) >= round(attack.poison_rate * len(y))
         else:  # data poisoning: plain cross-entropy on the (already poisoned) labels
             assert torch.equal(scored, y)
+    if attack.name == "wanet":
+        assert recorder.poisoned
+        for y, out in recorder.poisoned:  # round(rate * B) rows go to the target rule
+            moved = out != y
+            assert torch.equal(out[moved], attack.target_rule(y[moved]))
+            assert int((out == attack.target_rule(y)).sum()) >= round(attack.poison_rate * len(y))
 
 
 def check_trigger(attack, data, poisoned) -> None:
