@@ -51,6 +51,7 @@ def epoch_rows(record_path: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in row.items() if k != "time_s"} for row in csv.DictReader(handle)]
 
 
+@pytest.mark.slow  # 29 s: the quick suite must stay under 10 min; CI runs it with -m slow
 def test_sigkill_mid_training_then_rerun_resumes_to_the_same_metrics(tmp_path):
     straight = run_cli(*SETTING, f"results_dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr
