@@ -25,16 +25,9 @@ from backdoorbench.models.base import ImageClassifier, Normalized
 from backdoorbench.models.preact_resnet import PreActResNet
 from backdoorbench.precision import precision_context, resolve_precision
 from backdoorbench.train import Trainer
+from tests.tiny import one_thread  # noqa: F401  (autouse: one thread for these tiny nets)
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def smooth_images(n: int, generator: torch.Generator) -> torch.Tensor:
