@@ -273,6 +273,47 @@ def measure_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.de
     return metrics, examples
 
 
+PGD_MEMO_FORMAT = "backdoorbench-pgd-memo-1"
+
+
+def pgd_memo_path(victim: dict[str, Any], pgd_cfg: DictConfig, device: torch.device, keep_examples: bool) -> Path | None:
+    """Where the attacked model's PGD results are kept beside its victim-cache entry
+    (`<key>.pgd-<digest>.pt`, the digest over eval.pgd and the device type), or None without a cache."""
+    if not victim.get("path"):
+        return None
+    material = {"format": PGD_MEMO_FORMAT, "pgd": OmegaConf.to_container(pgd_cfg, resolve=True),
+                "keep_examples": bool(keep_examples), "device": device.type}
+    digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
+    entry = Path(victim["path"])
+    return entry.with_name(f"{entry.stem}.pgd-{digest}.pt")
+
+
+def attacked_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.device, victim: dict[str, Any], *,
+                 keep_examples: bool = False) -> tuple[dict[str, Any], dict, str]:
+    """`measure_pgd` on the attacked model, memoised beside its victim-cache entry: a sweep over
+    defenses (or over a defense's settings) attacks one cached victim once, not once per run. PGD
+    draws its random starts from eval.pgd.seed, so a recomputation on the same weights gives the
+    same numbers on the CPU. Returns (metrics, adversarial images, memo state: "off" without the
+    victim cache, "hit" when read, "saved" when computed and kept)."""
+    path = pgd_memo_path(victim, pgd_cfg, device, keep_examples) if distributed.is_main() else None
+    if path is not None and victim.get("cache") == "hit" and path.exists():
+        try:
+            entry = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(entry, dict) or entry.get("format") != PGD_MEMO_FORMAT:
+                raise ValueError(f"not a {PGD_MEMO_FORMAT} file")
+            examples = {(str(loss), float(eps)): images for loss, eps, images in entry["examples"]}
+            log.info("PGD on the attacked model from %s (computed with its victim)", path)
+            return json.loads(entry["metrics"]), examples, "hit"
+        except Exception as exc:  # truncated or foreign file: compute again and overwrite it
+            log.warning("PGD memo %s is unusable (%s); attacking the model again", path, type(exc).__name__)
+    metrics, examples = measure_pgd(model, data, pgd_cfg, device, keep_examples=keep_examples)
+    if path is None:
+        return metrics, examples, "off"
+    atomic_torch_save({"format": PGD_MEMO_FORMAT, "metrics": json.dumps(metrics),
+                       "examples": [(loss, eps, images) for (loss, eps), images in examples.items()]}, path)
+    return metrics, examples, "saved"
+
+
 @torch.no_grad()
 def measure_stealth(attack: Attack, data: ImageDataset, eval_cfg: DictConfig, device: torch.device):
     """Stealth metrics of `apply_trigger` on a fixed, seeded set of test images, and a few
@@ -427,8 +468,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     adversarial: dict = {}  # the attacked model's PGD images, kept for eval.pgd.transfer_from=attacked
     if cfg.eval.pgd.enabled:
         with timed(timings, "pgd_attacked"):
-            pgd_metrics, adversarial = measure_pgd(model, data, cfg.eval.pgd, trainer.device,
-                                                   keep_examples=cfg.eval.pgd.get("transfer_from") == "attacked")
+            pgd_metrics, adversarial, victim["pgd_memo"] = attacked_pgd(
+                model, data, cfg.eval.pgd, trainer.device, victim,
+                keep_examples=cfg.eval.pgd.get("transfer_from") == "attacked")
             attacked.update(pgd_metrics)
     with timed(timings, "stealth"):
         stealth, examples = measure_stealth(attack, data, cfg.eval, trainer.device)

@@ -395,3 +395,40 @@ def test_the_record_holds_a_row_per_loss_eps_and_source(tiny_results):
         keys = {(r["loss"], r["eps"], r["source"]) for r in defended["pgd"]}
         assert keys == {(loss, eps, source) for loss in ("ce", "cw") for eps in (0.1, 0.5) for source in ("self", "attacked")}
         assert all(0 <= r["acc"] <= 1 for r in attacked["pgd"] + defended["pgd"])
+
+
+def test_the_attacked_models_pgd_is_memoised_beside_its_cached_victim(mnist5k, tmp_path):
+    """A sweep over defenses attacks one cached victim once: the second run reads the first's PGD
+    (rows and adversarial images) instead of attacking again, and an unusable memo is recomputed."""
+    from omegaconf import OmegaConf
+
+    from backdoorbench.pipeline import attacked_pgd, pgd_memo_path
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10)).eval()
+    pgd = OmegaConf.create({"eps": [0.1, 0.3], "steps": 2, "step_size": None, "rel_step_size": 0.5, "random_start": True,
+                            "losses": ["ce", "cw"], "transfer_from": "attacked", "images": 12, "seed": 0})
+    victim = {"cache": "miss", "path": str(tmp_path / "abc.pt")}
+    first, examples, state = attacked_pgd(model, mnist5k, pgd, torch.device("cpu"), victim, keep_examples=True)
+    path = pgd_memo_path(victim, pgd, torch.device("cpu"), True)
+    assert state == "saved" and path.exists() and path.name.startswith("abc.pgd-")
+    with torch.no_grad():  # the memo must not be a recomputation: spoil the model, the hit still gives the first numbers
+        model[1].weight.zero_()
+    again, kept, state = attacked_pgd(model, mnist5k, pgd, torch.device("cpu"), {**victim, "cache": "hit"}, keep_examples=True)
+    assert state == "hit" and again == first and kept.keys() == examples.keys()
+    assert all(torch.equal(kept[k], examples[k]) for k in examples)
+    # another PGD setting has its own memo; without a victim cache nothing is kept
+    other = OmegaConf.merge(pgd, {"steps": 3})
+    assert pgd_memo_path(victim, other, torch.device("cpu"), True) != path
+    assert attacked_pgd(model, mnist5k, pgd, torch.device("cpu"), {"cache": "off", "key": "abc"})[2] == "off"
+    path.write_bytes(b"truncated")
+    _, _, state = attacked_pgd(model, mnist5k, pgd, torch.device("cpu"), {**victim, "cache": "hit"}, keep_examples=True)
+    assert state == "saved"
+
+
+def test_a_sweep_over_lambda_attacks_the_shared_victim_once(tiny_results):
+    runs, _ = tiny_results
+    (first, _), (second, _) = runs["angular_margin_0"], runs["angular_margin_100"]
+    assert first.victim["pgd_memo"] == "saved" and second.victim["cache"] == "hit" and second.victim["pgd_memo"] == "hit"
+    assert first.metrics["attacked"]["pgd"] == second.metrics["attacked"]["pgd"]
+    assert {r["source"] for r in second.metrics["defended"]["pgd"]} == {"self", "attacked"}  # the memo's images transfer
