@@ -1,7 +1,15 @@
 """The run record: one JSON per run, validated on load, written atomically.
 
-Numbers are JSON numbers (never strings); metrics are fractions in [0, 1]; a record of schema
-other than SCHEMA_VERSION is refused by `load_record`, so the leaderboard never mixes formats.
+Numbers are JSON numbers (never strings); metrics are fractions in [0, 1]. Records are written
+in SCHEMA_VERSION; `load_record` reads every version in READABLE_VERSIONS (an older record gets
+null for the fields its version lacks) and refuses any other, so the leaderboard never mixes
+formats it does not know.
+
+Versions:
+- 1: the run (config, seed, metrics, stealth, timings, env); `victim`, `artifacts`, `repeat`,
+  `reactivation`, `defense_cost` and `benign` were added within it, so version-1 records may lack them.
+- 2: the defense protocols (issue 18) are part of the schema: every record carries `reactivation`,
+  `defense_cost` and `benign` (null where the run had none), and `victim`.
 """
 
 from __future__ import annotations
@@ -14,10 +22,12 @@ from typing import Any
 
 from backdoorbench.fileio import atomic_write_text, write_new_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 METRIC_KEYS = ("clean_acc", "asr", "ra")
-# added within schema 1; records written before them lack them
-OPTIONAL_FIELDS = {"victim", "artifacts", "repeat", "defense_cost", "benign", "reactivation"}
+# Fields a record of each version may lack (added within version 1; the older records lack them).
+OPTIONAL_FIELDS = {1: {"victim", "artifacts", "repeat", "defense_cost", "benign", "reactivation"},
+                   2: {"artifacts", "repeat"}}
 # The files of one run beside each other: the record, its artifacts, its epoch log.
 RUN_FILE_SUFFIXES = (".json", ".npz", ".epochs.csv")
 
@@ -90,9 +100,10 @@ def validate_record(data: Any) -> None:
     if not isinstance(data, dict):
         raise RecordError("a record must be a JSON object")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise RecordError(f"schema_version is {version!r}; this backdoorbench reads version {SCHEMA_VERSION}")
-    required = {f.name for f in fields(RunRecord)} - OPTIONAL_FIELDS
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        readable = ", ".join(str(v) for v in READABLE_VERSIONS)
+        raise RecordError(f"schema_version is {version!r}; this backdoorbench reads versions {readable}")
+    required = {f.name for f in fields(RunRecord)} - OPTIONAL_FIELDS[version]
     missing = sorted(required - data.keys())
     if missing:
         raise RecordError(f"missing fields: {', '.join(missing)}")

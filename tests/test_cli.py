@@ -58,4 +58,4 @@ def test_leaderboard_module_runs_on_app_output(tmp_path):
     text = (tmp_path / "leaderboard" / "leaderboard.md").read_text()
     assert "## mnist5k" in text and "| mnist_cnn | badnets | all2one(0) | 0 ep | – | 1 |" in text
     assert (tmp_path / "leaderboard" / "leaderboard.html").is_file() and (tmp_path / "leaderboard" / "attacks.csv").is_file()
-    assert json.loads(records_under(tmp_path)[0].read_text())["schema_version"] == 1
+    assert json.loads(records_under(tmp_path)[0].read_text())["schema_version"] == 2

@@ -65,6 +65,25 @@ def test_validation_names_the_broken_field(mutate, message):
         validate_record(_broken(mutate))
 
 
+def test_version_2_records_must_carry_the_protocol_fields_and_version_1_records_stay_readable(tmp_path):
+    assert SCHEMA_VERSION == 2
+    data = make_record().to_dict()
+    for key in ("reactivation", "defense_cost", "benign", "victim"):
+        assert key in data and data[key] is None  # written, null when the run had none
+        with pytest.raises(RecordError, match=f"missing fields: {key}"):
+            validate_record({k: v for k, v in data.items() if k != key})
+    # a record written before version 2: schema 1, without the fields added within it
+    old = {k: v for k, v in data.items() if k not in ("victim", "artifacts", "repeat", "reactivation", "defense_cost", "benign")}
+    old["schema_version"] = 1
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = load_record(path)
+    assert loaded.schema_version == 1 and loaded.reactivation is None and loaded.benign is None and loaded.repeat == 1
+    for version in (0, 3, True, "2"):
+        with pytest.raises(RecordError, match=r"reads versions 1, 2"):
+            validate_record({**data, "schema_version": version})
+
+
 def test_save_refuses_an_invalid_record_and_writes_nothing(tmp_path):
     record = make_record(metrics={"attacked": {"clean_acc": float("nan"), "asr": 1.0, "ra": 0.0}, "defended": None, "der": None})
     with pytest.raises(RecordError):
