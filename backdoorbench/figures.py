@@ -261,47 +261,71 @@ def trigger_gallery(runs: list[Run], out: Path, residual_scale: float = 10.0, su
     return written
 
 
-def poison_rate_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+def _sweep_panels(runs: list[Run], swept: str, key_of: Callable[[Run], tuple | None], value_of: Callable[[Run], float],
+                  title_of: Callable[[tuple], str]) -> dict[str, list[tuple[str, list[Run]]]]:
+    """dataset -> panels (title, the runs of one setting that differ only in the config key `swept`
+    and the seed), for each series `key_of` names (None: the run is left out; the key's first item is
+    the dataset) that holds at least two values of `swept`."""
     from backdoorbench.pipeline import config_hash
 
-    drop = NON_RESULT_KEYS + ("seed", "attack.poison_rate")
-    series: dict[tuple[str, str, str], dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    drop = NON_RESULT_KEYS + ("seed", swept)
+    series: dict[tuple, dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
-        if run.record.defense["name"] != "none":
-            continue
-        key = (run.dataset, run.record.attack["name"], run.record.attack["target_mode"])
-        series[key][config_hash(run.record.config, drop)].append(run)
-    # dataset -> panels: (title, runs of one setting that differ only in poison rate and seed)
+        key = key_of(run)
+        if key is not None:
+            series[key][config_hash(run.record.config, drop)].append(run)
+    short = swept.rsplit(".", 1)[-1] + "="
     panels: dict[str, list[tuple[str, list[Run]]]] = defaultdict(list)
-    for (dataset, attack, mode), by_setting in sorted(series.items()):
-        kept = [members for _, members in sorted(by_setting.items())
-                if len({m.record.attack["poison_rate"] for m in members}) >= 2]
+    for key, by_setting in sorted(series.items()):
+        kept = [members for _, members in sorted(by_setting.items()) if len({value_of(m) for m in members}) >= 2]
         labels = setting_labels([members[0].record.config for members in kept])
         for members, label in zip(kept, labels):
-            label = ", ".join(part for part in label.split(", ") if not part.startswith("poison_rate="))
-            title = f"{attack} {mode}\n{_training(members[0].record.config)}" + (f"; {label}" if label else "")
-            panels[dataset].append((title, members))
+            label = ", ".join(part for part in label.split(", ") if not part.startswith(short))
+            title = f"{title_of(key)}\n{_training(members[0].record.config)}" + (f"; {label}" if label else "")
+            panels[key[0]].append((title, members))
+    return panels
+
+
+def _sweep_curves(ax, members: list[Run], value_of: Callable[[Run], float], block: str, names: tuple[str, str],
+                  xlabel: str) -> None:
+    """CA and ASR of `block` (mean ± std over seeds) against the swept value, on a log axis: the
+    values span orders of magnitude (0.5% .. 20%), which a linear axis would crowd together."""
+    by_value: dict[float, list[RunRecord]] = defaultdict(list)
+    for m in members:
+        by_value[value_of(m)].append(m.record)
+    xs = sorted(by_value)
+    for metric, style, name in (("clean_acc", "o-", names[0]), ("asr", "s--", names[1])):
+        stats = [_mean_std([r.metrics[block][metric] for r in by_value[x]]) for x in xs]
+        ax.errorbar(xs, [100 * mean for mean, _ in stats], yerr=[100 * std for _, std in stats], fmt=style, capsize=3,
+                    label=name)
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{100 * x:g}%" for x in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("% on the test set")
+    ax.set_ylim(-2, 102)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def poison_rate_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+    def rate(run: Run) -> float:
+        return float(run.record.attack["poison_rate"])
+
+    def key(run: Run) -> tuple | None:
+        if run.record.defense["name"] != "none":
+            return None
+        return run.dataset, run.record.attack["name"], run.record.attack["target_mode"]
+
+    panels = _sweep_panels(runs, "attack.poison_rate", key, rate, lambda k: f"{k[1]} {k[2]}")
     written = []
     for dataset, chosen in sorted(panels.items()):
         fig, axes, spare = _panels(len(chosen))
         for ax, (title, members) in zip(axes, chosen):
-            by_rate: dict[float, list[RunRecord]] = defaultdict(list)
-            for m in members:
-                by_rate[float(m.record.attack["poison_rate"])].append(m.record)
-            rates = sorted(by_rate)
-            for metric, style, name in (("clean_acc", "o-", "CA"), ("asr", "s--", "ASR")):
-                values = [[r.metrics["attacked"][metric] for r in by_rate[rate]] for rate in rates]
-                mean = np.array([np.mean(v) for v in values])
-                std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
-                ax.errorbar(rates, 100 * mean, yerr=100 * std, fmt=style, capsize=3, label=name)
-            # rates span orders of magnitude (0.5% .. 20%): a log axis keeps the small ones apart
-            ax.set_xscale("log")
-            ax.set_xticks(rates, [f"{100 * rate:g}%" for rate in rates])
-            ax.xaxis.set_minor_locator(NullLocator())
+            _sweep_curves(ax, members, rate, "attacked", ("CA", "ASR"), "poison rate (log scale)")
             ax.set_title(title, fontsize=9)
-            ax.set_xlabel("poison rate (log scale)")
-            ax.set_ylabel("% on the test set")
-            ax.set_ylim(-2, 102)
         _shared_legend(fig, axes[0], spare)
         fig.suptitle(f"CA and ASR vs poison rate, {dataset} (mean ± std over seeds)")
         written += save_figure(fig, out, f"{dataset}_2_poison_rate{suffix}")
@@ -468,8 +492,6 @@ def _lambda_of(run: Run) -> float:
     return float(run.record.defense.get("penalty_weight", math.nan))
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
 def robust_accuracy_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
@@ -555,46 +577,22 @@ def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10
 
 def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     """Figure 9 (issue 18, protocol 4): how a defense's result depends on the clean data it holds."""
-    from backdoorbench.pipeline import config_hash
+    def budget(run: Run) -> float:
+        return float(run.record.defense["clean_fraction"])
 
-    drop = NON_RESULT_KEYS + ("seed", "defense.clean_fraction")
-    series: dict[tuple[str, str, str, str], dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
-    for run in runs:
+    def key(run: Run) -> tuple | None:
         defense = run.record.defense
         if defense["name"] == "none" or run.record.metrics.get("defended") is None or "clean_fraction" not in defense:
-            continue
-        key = (run.dataset, defense["name"], run.record.attack["name"], run.record.attack["target_mode"])
-        series[key][config_hash(run.record.config, drop)].append(run)
-    panels: dict[str, list[tuple[str, list[Run]]]] = defaultdict(list)
-    for (dataset, defense, attack, mode), by_setting in sorted(series.items()):
-        kept = [members for _, members in sorted(by_setting.items())
-                if len({m.record.defense["clean_fraction"] for m in members}) >= 2]
-        labels = setting_labels([members[0].record.config for members in kept])
-        for members, label in zip(kept, labels):
-            label = ", ".join(part for part in label.split(", ") if not part.startswith("clean_fraction="))
-            title = f"{defense} vs {attack} {mode}\n{_training(members[0].record.config)}" + (f"; {label}" if label else "")
-            panels[dataset].append((title, members))
+            return None
+        return run.dataset, defense["name"], run.record.attack["name"], run.record.attack["target_mode"]
+
+    panels = _sweep_panels(runs, "defense.clean_fraction", key, budget, lambda k: f"{k[1]} vs {k[2]} {k[3]}")
     written = []
     for dataset, chosen in sorted(panels.items()):
         fig, axes, spare = _panels(len(chosen))
         for ax, (title, members) in zip(axes, chosen):
-            by_budget: dict[float, list[RunRecord]] = defaultdict(list)
-            for m in members:
-                by_budget[float(m.record.defense["clean_fraction"])].append(m.record)
-            budgets = sorted(by_budget)
-            for metric, style, name in (("clean_acc", "o-", "CA after"), ("asr", "s--", "ASR after")):
-                values = [[r.metrics["defended"][metric] for r in by_budget[b]] for b in budgets]
-                mean = np.array([np.mean(v) for v in values])
-                std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
-                ax.errorbar(budgets, 100 * mean, yerr=100 * std, fmt=style, capsize=3, label=name)
-            # budgets span orders of magnitude (0.5% .. 10%): a log axis keeps the small ones apart
-            ax.set_xscale("log")
-            ax.set_xticks(budgets, [f"{100 * b:g}%" for b in budgets])
-            ax.xaxis.set_minor_locator(NullLocator())
+            _sweep_curves(ax, members, budget, "defended", ("CA after", "ASR after"), "defense.clean_fraction (log scale)")
             ax.set_title(title, fontsize=9)
-            ax.set_xlabel("defense.clean_fraction (log scale)")
-            ax.set_ylabel("% on the test set")
-            ax.set_ylim(-2, 102)
         _shared_legend(fig, axes[0], spare)
         fig.suptitle(f"CA and ASR after the defense vs its clean-data budget, {dataset} (mean ± std over seeds)")
         written += save_figure(fig, out, f"{dataset}_9_clean_budget{suffix}")
