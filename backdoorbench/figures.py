@@ -512,11 +512,17 @@ def robust_accuracy_curves(runs: list[Run], out: Path, residual_scale: float = 1
         if not panels:
             continue
         order = sorted(panels, key=lambda k: (k[1] != "self", k[0]))
+        # one colour and marker per model in every panel: a transfer panel holds only the defended
+        # models, and the default colour cycle would restart there with another model's colour
+        cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        markers = "osD^vP*X"
+        style = {label: (cycle[i % len(cycle)], markers[i % len(markers)]) for i, label in enumerate(curves)}
         fig, axes, spare = _panels(len(order))
         for ax, key in zip(axes, order):
             for label, radii, mean, std, n in panels[key]:
-                ax.errorbar(radii, 100 * np.array(mean), yerr=100 * np.array(std), fmt="o-", capsize=3,
-                            label=f"{label} (n={n})")
+                colour, marker = style[label]
+                ax.errorbar(radii, 100 * np.array(mean), yerr=100 * np.array(std), fmt=f"{marker}-", color=colour,
+                            capsize=3, label=f"{label} (n={n})")
             ax.set_title(PGD_PANELS.get(key, f"PGD-{key[0]}, from {key[1]}"), fontsize=9)
             ax.set_xlabel("L_inf radius eps (pixel units)")
             ax.set_ylabel("robust accuracy (%)")

@@ -205,3 +205,27 @@ def test_attacks_chooses_the_rows(tiny_results, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "figure 1:" in out and "mnist5k_1_trigger_gallery_badnets.png" in out
     assert not (results / "figures" / "mnist5k_1_trigger_gallery.png").exists()  # the subset has its own files
+
+
+def test_a_model_keeps_its_colour_in_every_robust_accuracy_panel(tiny_results, tmp_path, monkeypatch):
+    """The transfer panels hold only the defended models: each model must keep the colour the shared
+    legend gives it (the colour cycle restarting per panel drew lambda 0 in the plain model's blue)."""
+    from backdoorbench import figures
+    from backdoorbench.figures import Run, robust_accuracy_curves
+
+    drawn = []
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out, stem: drawn.append(fig) or [])
+    _, results = tiny_results
+    runs = [Run(record, path) for record, path in load_records_with_paths(results) if record.defense["name"] == "angular_margin"]
+    robust_accuracy_curves(runs, tmp_path)
+    (fig,) = drawn
+    colours: dict[str, set] = {}
+    for ax in fig.axes:
+        for container in ax.containers:
+            line = container.lines[0]
+            colours.setdefault(container.get_label().rsplit(" (n=", 1)[0], set()).add(line.get_color())
+    transferred = [ax for ax in fig.axes if "transferred" in ax.get_title()]
+    assert transferred and all(len(ax.containers) == 2 for ax in transferred)  # lambda 0 and 100, not the plain model
+    assert set(colours) == {"attacked model (rbc_mnist, plain)", "angular_margin λ=0", "angular_margin λ=100"}
+    assert all(len(c) == 1 for c in colours.values())  # one colour per model across the panels
+    assert len({next(iter(c)) for c in colours.values()}) == 3  # and three different ones
