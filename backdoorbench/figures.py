@@ -561,11 +561,21 @@ def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10
                 series[f"PGD-CE eps={eps:g}"] = [[r["acc"] for m in by_lambda[lam] for r in _pgd_rows(m, "defended")
                                                   if r["loss"] == "ce" and r["source"] == "self" and float(r["eps"]) == eps]
                                                  for lam in lambdas]
+            # the plain model (each run's attacked model, once per seed) as a dotted line in its series' colour
+            plain_runs = {m.record.seed: m for m in members if _pgd_rows(m, "attacked")}
+            plain = {"clean": [m.record.metrics["attacked"]["clean_acc"] for m in plain_runs.values()]}
+            for eps in radii:
+                plain[f"PGD-CE eps={eps:g}"] = [r["acc"] for m in plain_runs.values() for r in _pgd_rows(m, "attacked")
+                                                if r["loss"] == "ce" and r["source"] == "self" and float(r["eps"]) == eps]
             for name, values in series.items():
                 kept = [(lam, v) for lam, v in zip(lambdas, values) if v]
                 stats = [_mean_std(v) for _, v in kept]
-                ax.errorbar([lam for lam, _ in kept], [100 * m for m, _ in stats], yerr=[100 * sd for _, sd in stats],
-                            fmt="s--" if name == "clean" else "o-", capsize=3, label=name)
+                drawn = ax.errorbar([lam for lam, _ in kept], [100 * m for m, _ in stats], yerr=[100 * sd for _, sd in stats],
+                                    fmt="s--" if name == "clean" else "o-", capsize=3, label=name)
+                if plain.get(name):
+                    ax.axhline(100 * float(np.mean(plain[name])), color=drawn.lines[0].get_color(), ls=":", lw=1.2)
+            if any(plain.values()):
+                ax.plot([], [], ls=":", color="grey", label=f"dotted: the plain model (attacked), n={len(plain_runs)}")
             # lambda spans 0 and several decades: linear up to 1, logarithmic above
             ax.set_xscale("symlog", linthresh=1)
             ax.set_xticks(lambdas, [f"{lam:g}" for lam in lambdas])
