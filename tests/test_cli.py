@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from backdoorbench.records import load_record
 from tests.conftest import run_cli
 
@@ -31,6 +33,7 @@ def test_one_epoch_run_writes_a_valid_record(tmp_path):
     assert "CA" in proc.stdout and "ASR" in proc.stdout
 
 
+@pytest.mark.slow  # 14 s: four runs through Hydra's multirun; the quick suite keeps to 10 min
 def test_multirun_sweeps_attacks_and_seeds(tmp_path):
     proc = run_cli("--multirun", "attack=badnets,blended", "seed=0,1", "trainer.epochs=0", f"results_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr

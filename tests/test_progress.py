@@ -119,6 +119,7 @@ def test_a_warning_becomes_one_log_line(monkeypatch, caplog, capsys) -> None:
     assert capsys.readouterr().err == ""  # not Python's two-line format
 
 
+@pytest.mark.slow  # 10 s: a real two-epoch run in a subprocess; the quick suite keeps to 10 min
 def test_a_two_epoch_run_sent_to_a_file_shows_one_line_per_epoch(tmp_path: Path) -> None:
     log_file = tmp_path / "log.txt"
     with log_file.open("w") as out:

@@ -211,7 +211,8 @@ def test_old_records_without_cost_read_the_defense_time_and_stay_valid(tmp_path)
     record = save_defense_run(tmp_path / "runs", "old")
     path = next((tmp_path / "runs").rglob("old.json"))
     data = json.loads(path.read_text())
-    del data["defense_cost"], data["benign"]  # as written before protocols 2 and 3
+    del data["defense_cost"], data["benign"]  # as written before protocols 2 and 3: schema version 1
+    data["schema_version"] = 1
     data["timings_s"] = {"defense": 7.0}
     path.write_text(json.dumps(data))
     assert load_record(path).defense_cost is None and record.run_id == "old"
