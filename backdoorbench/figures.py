@@ -492,8 +492,6 @@ def _lambda_of(run: Run) -> float:
     return float(run.record.defense.get("penalty_weight", math.nan))
 
 
-
-
 def robust_accuracy_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     """Robust accuracy vs eps, one curve per model (mean ± std over seeds), a panel per PGD loss
     and source (white-box, or transferred from the attacked model); curves need >= 2 eps."""
@@ -533,6 +531,16 @@ def robust_accuracy_curves(runs: list[Run], out: Path, residual_scale: float = 1
     return written
 
 
+def _clean_and_pgd_ce(runs: list[Run], which: str, radii: list[float]) -> dict[str, list[float]]:
+    """{"clean": the clean accuracy of each run's `which` model ("attacked" or "defended"),
+    "PGD-CE eps=<e>": its white-box PGD-CE accuracy at each e of `radii`}, in that order."""
+    found = {"clean": [run.record.metrics[which]["clean_acc"] for run in runs]}
+    for eps in radii:
+        found[f"PGD-CE eps={eps:g}"] = [r["acc"] for run in runs for r in _pgd_rows(run, which)
+                                        if r["loss"] == "ce" and r["source"] == "self" and float(r["eps"]) == eps]
+    return found
+
+
 def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     """Clean and white-box PGD-CE accuracy of angular-margin models vs lambda (penalty_weight),
     mean ± std over seeds, a panel per setting; needs >= 2 lambdas."""
@@ -554,19 +562,13 @@ def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10
             for m in members:
                 by_lambda[_lambda_of(m)].append(m)
             lambdas = sorted(by_lambda)
-            series = {"clean": [[m.record.metrics["defended"]["clean_acc"] for m in by_lambda[lam]] for lam in lambdas]}
             radii = sorted({float(r["eps"]) for m in members for r in _pgd_rows(m, "defended")
                             if r["loss"] == "ce" and r["source"] == "self"})
-            for eps in radii:
-                series[f"PGD-CE eps={eps:g}"] = [[r["acc"] for m in by_lambda[lam] for r in _pgd_rows(m, "defended")
-                                                  if r["loss"] == "ce" and r["source"] == "self" and float(r["eps"]) == eps]
-                                                 for lam in lambdas]
+            per_lambda = [_clean_and_pgd_ce(by_lambda[lam], "defended", radii) for lam in lambdas]
+            series = {name: [accuracies[name] for accuracies in per_lambda] for name in per_lambda[0]}
             # the plain model (each run's attacked model, once per seed) as a dotted line in its series' colour
             plain_runs = {m.record.seed: m for m in members if _pgd_rows(m, "attacked")}
-            plain = {"clean": [m.record.metrics["attacked"]["clean_acc"] for m in plain_runs.values()]}
-            for eps in radii:
-                plain[f"PGD-CE eps={eps:g}"] = [r["acc"] for m in plain_runs.values() for r in _pgd_rows(m, "attacked")
-                                                if r["loss"] == "ce" and r["source"] == "self" and float(r["eps"]) == eps]
+            plain = _clean_and_pgd_ce(list(plain_runs.values()), "attacked", radii)
             for name, values in series.items():
                 kept = [(lam, v) for lam, v in zip(lambdas, values) if v]
                 stats = [_mean_std(v) for _, v in kept]
