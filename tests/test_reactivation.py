@@ -108,18 +108,28 @@ def test_the_retuning_set_holds_exactly_the_poison_asked_for(models):
         retuning_set(m["train"], m["attack"], RetuningBudget(clean_fraction=0.001), torch.Generator())
 
 
-def test_the_probe_stays_within_eps_and_does_not_fool_the_clean_model(models):
-    m = models
+def test_the_probe_stays_within_eps():
     net = PerturbationNet((1, 16, 16), eps=0.05, hidden=8)
     x = torch.rand(4, 1, 16, 16)
     assert net(x).abs().max() <= 0.05 + 1e-7 and net.perturb(x).min() >= 0 and net.perturb(x).max() <= 1
+
+
+def test_the_probe_reactivates_a_hidden_backdoor_but_not_a_model_that_never_had_one(models):
+    """QRA's defining property (Min et al. 2024, sec. 4): a perturbation net fitted against the
+    superficially purified model brings its backdoor back on triggered test images, while the
+    same fit against a model that never learned the trigger finds nothing to bring back, and the
+    clean model's cross-entropy term keeps the perturbation from being a plain adversarial example.
+    eps is 0.3 here, not the official 16/255: the bars of this toy set stand 0.6 above the noise,
+    and at 16/255 (or 0.1) the probe moves neither model (measured: ASR 0 on both)."""
+    m = models
     _, retuned = retune(m["hidden"], m["trainer"], m["attack"], m["train"], m["test"], BUDGET, torch.Generator().manual_seed(4))
-    probe = ProbeBudget(epochs=3, clean_count=100, poison_count=100, hidden=64)
-    result = query_reactivation(m["hidden"], retuned, m["clean"], m["trainer"], m["attack"], m["train"], m["test"],
-                                probe, torch.Generator().manual_seed(5))
-    assert set(result) == {"asr", "asr_clean_model", "clean_to_target"}
-    assert all(0 <= v <= 1 for v in result.values())
-    assert result["asr_clean_model"] < 0.1  # the clean model's cross-entropy keeps it from being an adversarial example
+    probe = ProbeBudget(eps=0.3, epochs=20, clean_count=100, poison_count=100, hidden=128)
+    hidden, never = (query_reactivation(m[name], retuned, m["clean"], m["trainer"], m["attack"], m["train"], m["test"],
+                                        probe, torch.Generator().manual_seed(5)) for name in ("hidden", "clean"))
+    assert set(hidden) == {"asr", "asr_clean_model", "clean_to_target"}
+    assert hidden["asr"] > 0.6  # measured 0.78 (0.76 with seed 6); its ASR without the probe is < 0.02
+    assert never["asr"] < 0.05  # measured 0.01
+    assert hidden["asr_clean_model"] < 0.05 and hidden["clean_to_target"] < 0.05  # measured 0 and 0
 
 
 @pytest.mark.parametrize("override, message", [
