@@ -376,11 +376,54 @@ def test_trojannn_ranks_neurons_by_outgoing_weights_by_default():
     yaml_attack = instantiate(OmegaConf.load(CONF / "trojannn.yaml"), num_classes=10, image_shape=(1, 28, 28))
     assert TrojanNN(**common()).connection == yaml_attack.connection == "outgoing"
     model = trained_surrogate()
-    attack = TrojanNN(**common(patch_size=4, trigger_steps=1, surrogate_epochs=1))
+    attack = TrojanNN(**common(patch_size=4, trigger_steps=1, surrogate_epochs=1, selection="weight"))
     attack.prepare(trainer=InstantTrainer(), train=make_split(), generator=torch.Generator().manual_seed(0),
                    build_model=lambda: copy.deepcopy(model))
     expected = model.classifier.weight.abs().sum(0).argsort(descending=True)[:2]
     assert attack.stats["neurons"] == expected.tolist()
+
+
+class SilentStrongUnits(nn.Module):
+    """Four penultimate ReLU units: 0 and 1 carry the strongest weights into the classifier but are
+    silenced by the bottom-right 4x4 mask (negative weights there), 2 and 3 are weak and fire on it:
+    the situation of mnist5k's 5x5 corner square (ledger, trojannn)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        linear = nn.Linear(SHAPE[1] * SHAPE[2], 4)
+        with torch.no_grad():
+            mask = torch.zeros(SHAPE[1], SHAPE[2])
+            mask[-4:, -4:] = 1
+            mixed = mask.clone()  # fires on the white square, and fires more as half of it darkens
+            mixed[-2:, -4:] = -0.5
+            linear.weight.copy_(torch.stack([-mask, -mask, 0.1 * mixed, 0.05 * mixed]).flatten(1))
+            linear.bias.zero_()
+        self.features = nn.Sequential(nn.Flatten(), linear, nn.ReLU())
+        self.classifier = nn.Linear(4, CLASSES)
+        with torch.no_grad():
+            self.classifier.weight.copy_(torch.tensor([5.0, 4.0, 1.0, 0.5]).expand(CLASSES, 4))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+@pytest.mark.parametrize("selection", ["weight", "responsive"])
+def test_trojannn_takes_the_most_connected_units_that_the_mask_can_move(selection):
+    """Ranked by weight alone (BackdoorBench), the chosen units are silent on the mask: no gradient,
+    and the optimization leaves them at 0 (the attack degenerates to BadNets with the mask image).
+    `selection=responsive` (the default) ranks only the units that fire on the start patch."""
+    assert TrojanNN(**common()).selection == "responsive"
+    attack = TrojanNN(**common(patch_size=4, trigger_steps=20, trigger_lr=0.05, surrogate_epochs=1, selection=selection))
+    attack.prepare(trainer=InstantTrainer(), train=make_split(), generator=torch.Generator().manual_seed(0),
+                   build_model=SilentStrongUnits)
+    before, after = attack.stats["activation_before"], attack.stats["activation_after"]
+    assert attack.stats["units_firing_on_start"] == 2
+    if selection == "weight":
+        assert attack.stats["neurons"] == [0, 1] and before == after == [0.0, 0.0]
+    else:
+        assert attack.stats["neurons"] == [2, 3] and min(before) > 0 and all(a > b for a, b in zip(after, before))
+    with pytest.raises(ConfigError, match=r"^attack.selection='all' is unknown; choose one of: responsive, weight$"):
+        TrojanNN(**common(selection="all"))
 
 
 def test_trojannn_trigger_only_changes_the_mask_and_fires_the_neurons():

@@ -80,6 +80,11 @@ class SpectralSignatures(Defense):
     Limit (of the method, measured in tests): when the poison is close to half of its class the
     two halves sit almost symmetrically about the class mean along the top direction, so the
     squared projection barely ranks the poison above the clean half.
+    Cost on a clean set (issue 18, benign false positives): the rule removes a fixed number from
+    every class whether or not it holds poison, so on mnist5k at the default bound (0.1: 750 per
+    class, capped at half a class of ~500) a clean training set loses half of every class. That is
+    the paper's rule with an honest bound, not a bug; a defender who expects less poison sets
+    `defense.expected_poison_rate` lower and loses less (1.5 times that share of the whole set, per class).
     Departures: sample scores are
     normalized by their class mean so one AUROC over all classes is meaningful (the ranking within
     a class, hence what is removed, is unchanged). The paper reads an intermediate ResNet block;
