@@ -275,6 +275,14 @@ def setting_labels(configs: list[dict[str, Any]]) -> list[str]:
             for c in configs]
     keys = sorted(set().union(*flat))
     differing = [k for k in keys if len({f.get(k, "null") for f in flat}) > 1]
+    # A key that some configs lack and the others hold at one value came or went with a schema
+    # change (a record older than the key), not with a choice of setting: left out of the labels
+    # unless two configs could not be told apart without it.
+    chosen = [k for k in differing if len({f[k] for f in flat if k in f}) > 1]
+    schema_only = [k for k in differing if k not in chosen]
+    told_apart = len({tuple(f.get(k, "null") for k in chosen) for f in flat}) == len(
+        {tuple(f.get(k, "null") for k in differing) for f in flat})
+    differing = chosen
     names: dict[str, str] = {}
     for key in differing:
         parts = key.split(".")
@@ -284,7 +292,12 @@ def setting_labels(configs: list[dict[str, Any]]) -> list[str]:
     differing.sort(key=lambda k: names[k])
     labels = []
     for f in flat:
-        labels.append(", ".join(f"{names[k]}={_short_value(f[k]) if k in f else '–'}" for k in differing))
+        parts = [f"{names[k]}={_short_value(f[k]) if k in f else '–'}" for k in differing]
+        lacking = sorted({k.split(".")[-1] for k in schema_only if k not in f})
+        if not told_apart and lacking:  # the configs differ only in keys one schema has and another lacks
+            shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+            parts.append(f"config without {shown} (another schema)")
+        labels.append(", ".join(parts))
     return labels
 
 
@@ -428,13 +441,16 @@ def mark_canonical(rows: list[Row]) -> None:
         row.canonical = False
         if not (row.table == "attacks" and row.attack == CLEAN_ATTACK):
             peers[(row.table, row.dataset, row.model, row.attack, row.target_mode, row.defense)].append(row)
-    from backdoorbench.protocols import at_defaults
+    from backdoorbench.protocols import at_defaults, attack_at_defaults
 
     def at_default(row: Row) -> bool:  # of a sensitivity sweep's rows, the one at the defense's defaults
         return row.table == "defenses" and at_defaults(row.config.get("defense"), row.defense)
 
+    def attack_at_default(row: Row) -> bool:  # of an attack's rows, those at its config's rates and options
+        return attack_at_defaults(row.config.get("attack"), row.attack)
+
     for members in peers.values():
-        max(members, key=lambda r: (r.n, at_default(r), r.created_at, r.group_id)).canonical = True
+        max(members, key=lambda r: (r.n, attack_at_default(r), at_default(r), r.created_at, r.group_id)).canonical = True
     compared = {_training_key(r) for r in rows if r.canonical and r.table == "attacks"}
     for row in rows:
         if row.table == "attacks" and row.attack == CLEAN_ATTACK:

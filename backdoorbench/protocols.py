@@ -49,3 +49,24 @@ def at_defaults(defense_config: dict[str, Any] | None, name: str) -> bool:
     keys = SENSITIVITY.get(name, ())
     return bool(keys) and defense_config is not None and all(
         key in defaults and defense_config.get(key) == defaults[key] for key in keys)
+
+
+@functools.lru_cache(maxsize=None)
+def attack_defaults(name: str) -> dict[str, Any]:
+    """The values of `conf/attack/<name>.yaml`; {} if none."""
+    path = resources.files("backdoorbench.conf").joinpath("attack", f"{name}.yaml")
+    if not path.is_file():
+        return {}
+    node = OmegaConf.to_container(OmegaConf.create(path.read_text(encoding="utf-8")), resolve=False)
+    return node if isinstance(node, dict) else {}
+
+
+def attack_at_defaults(attack_config: dict[str, Any] | None, name: str) -> bool:
+    """Whether a record's `config.attack` holds the default of every key of `conf/attack/<name>.yaml`
+    it has (the target mode aside: both modes are protocol settings); a key the record lacks (an older
+    record) counts as default."""
+    defaults = attack_defaults(name)
+    if attack_config is None or not defaults:
+        return False
+    return all(attack_config.get(key, value) == value for key, value in defaults.items()
+               if key not in ("_target_", "target_mode"))

@@ -399,3 +399,20 @@ def test_an_old_record_of_an_excluded_pair_is_n_a_too(tmp_path):
     rows = {r["group_id"]: r for r in read_csv(write_leaderboard(tmp_path).csv["defenses"])}
     assert rows["gwanet"]["der_mean"] == "n/a" and rows["gwanet"]["asr_after_mean"] == "n/a"
     assert float(rows["gbadnets"]["der_mean"]) == 0.95
+
+
+def test_a_key_only_one_schema_has_does_not_label_a_row():
+    """Records older than a config key lack it; that is no choice of setting. A key that differs in
+    value labels the rows; presence alone labels them only when nothing else tells them apart."""
+    from backdoorbench.leaderboard import setting_labels
+    old, new = {"attack": {"poison_rate": 0.1}}, {"attack": {"poison_rate": 0.2}, "eval": {"probe": {"lr": 0.1}}}
+    assert setting_labels([old, new]) == ["poison_rate=0.1", "poison_rate=0.2"]
+    same_old, same_new = {"attack": {"poison_rate": 0.1}}, {"attack": {"poison_rate": 0.1}, "eval": {"probe": {"lr": 0.1}}}
+    assert setting_labels([same_old, same_new]) == ["config without lr (another schema)", ""]
+
+
+def test_the_canonical_attack_row_is_the_one_at_the_attack_defaults():
+    from backdoorbench.protocols import attack_at_defaults
+    assert attack_at_defaults({"name": "adaptive_blend", "poison_rate": 0.1, "cover_rate": 0.1, "target_mode": "all2all"}, "adaptive_blend")
+    assert not attack_at_defaults({"poison_rate": 0.0375, "cover_rate": 0.0375}, "adaptive_blend")
+    assert not attack_at_defaults({"poison_rate": 0.1}, "no_such_attack")
