@@ -34,13 +34,18 @@ CLEAN_BUDGET_KEY = "clean_fraction"
 
 
 @functools.lru_cache(maxsize=None)
-def defense_defaults(name: str) -> dict[str, Any]:
-    """The values of `conf/defense/<name>.yaml` (the defaults a sweep is centred on); {} if none."""
-    path = resources.files("backdoorbench.conf").joinpath("defense", f"{name}.yaml")
+def _group_defaults(group: str, name: str) -> dict[str, Any]:
+    """The values of `conf/<group>/<name>.yaml`; {} if none."""
+    path = resources.files("backdoorbench.conf").joinpath(group, f"{name}.yaml")
     if not path.is_file():
         return {}
     node = OmegaConf.to_container(OmegaConf.create(path.read_text(encoding="utf-8")), resolve=False)
     return node if isinstance(node, dict) else {}
+
+
+def defense_defaults(name: str) -> dict[str, Any]:
+    """The values of `conf/defense/<name>.yaml` (the defaults a sweep is centred on); {} if none."""
+    return _group_defaults("defense", name)
 
 
 def at_defaults(defense_config: dict[str, Any] | None, name: str) -> bool:
@@ -51,14 +56,9 @@ def at_defaults(defense_config: dict[str, Any] | None, name: str) -> bool:
         key in defaults and defense_config.get(key) == defaults[key] for key in keys)
 
 
-@functools.lru_cache(maxsize=None)
 def attack_defaults(name: str) -> dict[str, Any]:
     """The values of `conf/attack/<name>.yaml`; {} if none."""
-    path = resources.files("backdoorbench.conf").joinpath("attack", f"{name}.yaml")
-    if not path.is_file():
-        return {}
-    node = OmegaConf.to_container(OmegaConf.create(path.read_text(encoding="utf-8")), resolve=False)
-    return node if isinstance(node, dict) else {}
+    return _group_defaults("attack", name)
 
 
 def attack_at_defaults(attack_config: dict[str, Any] | None, name: str) -> bool:
