@@ -187,6 +187,7 @@ class Row:
     command: str = ""  # the command that reruns every seed of the row
     created_at: str = ""  # the newest record's
     canonical: bool = False
+    precision: str = "fp32"  # what its forward passes computed in (computed_precision of its records)
 
     @property
     def n(self) -> int:
@@ -337,7 +338,8 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
                   target_mode=_mode(first.attack), defense=first.defense["name"], group_id=group_id,
                   seeds=[r.seed for r in members], config=first.config, run_ids=[r.run_id for r in members],
                   record_paths=[p for _, p in pairs], command=rerun_command(members),
-                  created_at=max(r.created_at for r in members))
+                  created_at=max(r.created_at for r in members),
+                  precision="/".join(sorted({computed_precision(r) for r in members})))
         excluded = exclusion(first)  # the same config: every seed agrees
         row.cells = {c.key: NotApplicable(excluded) if excluded is not None
                      else summarize([c.read(r) for r in members]) for c in columns}
@@ -359,8 +361,40 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
     return rows
 
 
+def computed_precision(record: RunRecord) -> str:
+    """The precision a record's forward passes ran in: `env.precision` where the record has it;
+    before that key, the retired `trainer.amp` (bf16 autocast on CUDA only; the CPU never autocast)."""
+    if record.env.get("precision"):
+        return str(record.env["precision"])
+    amp = (record.config.get("trainer") or {}).get("amp", False)
+    return "bf16" if amp and str(record.env.get("device", "cpu")).startswith("cuda") else "fp32"
+
+
+# Trainer keys added after records were made, with the value that reproduces the older training
+# (a record without the key trained as if it had this value).
+_TRAINER_KEYS_ADDED = {"trainer.rotation": "0", "trainer.rotation_p": "0.5"}
+# Keys that only choose the precision: the key compares the precision computed instead.
+_PRECISION_KEYS = ("trainer.amp", "trainer.precision")
+
+
+def _number_text(text: str) -> str:
+    """A flattened value with its numbers as floats (a config written 0 and one written 0.0 agree)."""
+    value = json.loads(text)
+    return repr(float(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else text
+
+
 def _training_key(row: Row) -> tuple[str, str, str]:
-    trainer = {k: v for k, v in _flatten(row.config).items() if k.startswith("trainer.") and k not in NON_RESULT_KEYS}
+    """What a row's victim training shares with its clean control: dataset, model and every
+    trainer key that changes the numbers. Records of an older schema compare with current ones:
+    a key added since counts at the value that reproduces the old training, and `amp`/`precision`
+    count as the precision the run computed in (so a CPU record with `amp: true` matches a CPU
+    record with `precision: auto`, both fp32; a CUDA bf16 run matches neither)."""
+    trainer = {k: v for k, v in _flatten(row.config).items()
+               if k.startswith("trainer.") and k not in NON_RESULT_KEYS and k not in _PRECISION_KEYS}
+    trainer = {k: _number_text(v) for k, v in {**_TRAINER_KEYS_ADDED, **trainer}.items()}  # 0 == 0.0
+    if trainer.get("trainer.rotation") == "0.0":  # no rotation: its probability plays no part
+        trainer.pop("trainer.rotation_p", None)
+    trainer["precision (computed)"] = row.precision
     return row.dataset, row.model, json.dumps(trainer, sort_keys=True)
 
 
@@ -511,7 +545,8 @@ GLOSSARY = (
                "Cleanse's anomaly threshold; python -m backdoorbench --multirun experiment=sensitivity_<defense>): "
                "large = fragile; – where no sweep was run."),
     ("ΔCA vs clean", "in percentage points: the row's CA minus that of the clean control (attack none) trained the "
-                     "same way (dataset, model, trainer); – where no such control was run."),
+                     "same way (dataset, model, trainer, computed precision; an older record's retired trainer.amp counts as "
+                     "the precision it ran in); – where no such control was run."),
     ("PSNR", "peak signal-to-noise ratio of triggered vs clean test images, in dB (higher: less visible)."),
     ("SSIM", "structural similarity of triggered vs clean test images, in [0, 1] (1: identical)."),
     ("LPIPS", "learned perceptual distance (AlexNet) of triggered vs clean images (0: identical); – where its "

@@ -31,7 +31,7 @@ def stealth(psnr, ssim, lpips=None):
 
 def save(runs, name, *, group, seed, dataset="mnist5k", model="mnist_cnn", attack="badnets", mode="all2one",
          defense="none", attacked=(0.97, 1.0, 0.0), defended=None, der=None, detection=None, cfg=None, st=None,
-         created="2026-12-01T00:00:00+00:00", overrides=None):
+         created="2026-12-01T00:00:00+00:00", overrides=None, env=None):
     ca, asr, ra = attacked
     metrics = {"attacked": {"clean_acc": ca, "asr": asr, "ra": ra},
                "defended": None if defended is None else dict(zip(("clean_acc", "asr", "ra"), defended)),
@@ -40,7 +40,8 @@ def save(runs, name, *, group, seed, dataset="mnist5k", model="mnist_cnn", attac
                          attack={"name": attack, "target_mode": mode, "target": 0 if mode == "all2one" else None,
                                  "poison_rate": 0.1, "n_poisoned": 400, "poisoned_indices_sha256": "0" * 64},
                          defense={"name": defense}, metrics=metrics, stealth=st, config=cfg or config(),
-                         created_at=created, overrides=overrides or [f"attack={attack}", f"seed={seed}"])
+                         created_at=created, overrides=overrides or [f"attack={attack}", f"seed={seed}"],
+                         env=env or {"torch": "x", "git_commit": None})
     save_record(record, runs / dataset / f"{attack}_{mode}" / f"{name}.json")
 
 
@@ -224,6 +225,29 @@ def test_ca_vs_clean_compares_with_the_control_trained_the_same_way(tmp_path):
     save(runs, "a1", group="ga", seed=1, attacked=(0.97, 1.0, 0.0))  # two seeds: mean ± std, the std unsigned
     write_leaderboard(tmp_path)
     assert "-1.00 ± 2.00 †" in (tmp_path / "leaderboard" / "leaderboard.md").read_text()
+
+
+def test_a_record_of_an_older_trainer_schema_finds_its_control_by_what_it_computed(tmp_path):
+    """Session-6 records carry the retired `trainer.amp` and lack `rotation`; a CPU run never
+    autocast, so amp: true on the CPU trained as precision=auto does there (fp32): the same control.
+    On CUDA amp meant bf16, which a CPU fp32 control does not match."""
+    runs = tmp_path / "runs"
+    current = config(attack="none")
+    current["trainer"].update(precision="auto", rotation=0.0, rotation_p=0.5)
+    save(runs, "n0", group="gn", seed=0, attack="none", attacked=(0.98, 0.001, 0.97), cfg=current,
+         env={"device": "cpu", "precision": "fp32"})
+    old = config()
+    old["trainer"]["amp"] = True
+    save(runs, "a0", group="ga", seed=0, attacked=(0.95, 1.0, 0.0), cfg=old, env={"device": "cpu"})
+    save(runs, "g0", group="gg", seed=0, attacked=(0.96, 1.0, 0.0), cfg=config(rate=0.2) | {"trainer": old["trainer"]},
+         env={"device": "cuda:0"})
+    rotated = config(rate=0.3)
+    rotated["trainer"].update(precision="auto", rotation=10, rotation_p=0.5)
+    save(runs, "r0", group="gr", seed=0, attacked=(0.96, 1.0, 0.0), cfg=rotated, env={"device": "cpu", "precision": "fp32"})
+    write_leaderboard(tmp_path)
+    rows = {r["group_id"]: r for r in read_csv(tmp_path / "leaderboard" / "attacks.csv")}
+    assert float(rows["ga"]["ca_vs_clean_mean"]) == pytest.approx(-0.03)
+    assert rows["gg"]["ca_vs_clean_mean"] == "" and rows["gr"]["ca_vs_clean_mean"] == ""
 
 
 def test_a_defense_whose_threat_model_excludes_the_attack_is_n_a_not_a_success(tmp_path):
