@@ -58,7 +58,7 @@ from backdoorbench.artifacts import load_artifacts  # noqa: E402
 from backdoorbench.config import NON_RESULT_KEYS  # noqa: E402
 from backdoorbench.errors import ConfigError, DataError, UserError  # noqa: E402
 from backdoorbench.fileio import atomic_write_bytes, ensure_writable_dir  # noqa: E402
-from backdoorbench.leaderboard import filter_records, load_records_with_paths, parse_args, setting_labels  # noqa: E402
+from backdoorbench.leaderboard import build_rows, filter_records, load_records_with_paths, parse_args, setting_labels  # noqa: E402
 from backdoorbench.records import RunRecord, artifacts_path  # noqa: E402
 
 USAGE = "usage: python -m backdoorbench.figures [results_dir=DIR] [dataset=NAME] [attacks=NAME,NAME] [residual_scale=10]"
@@ -130,11 +130,19 @@ def save_pages(figures: list, out_dir: Path, stem: str) -> list[Path]:
     return written
 
 
+def canonical_groups(runs: list[Run]) -> set[str]:
+    """The group ids of the leaderboard's canonical rows among `runs` (per attack, mode and defense:
+    the most seeds, the attack's and defense's defaults, the newest)."""
+    return {row.group_id for row in build_rows([run.record for run in runs]) if row.canonical}
+
+
 def pick_per_attack(runs: list[Run], needs: tuple[str, ...], defense: str | None = None) -> dict[str, dict[str, Run]]:
-    """dataset -> attack label -> one run having artifacts `needs` (lowest seed, then run id),
-    among runs of `defense` (None = any)."""
+    """dataset -> attack label -> one run having artifacts `needs`, among runs of `defense` (None =
+    any): a run of the leaderboard's canonical row where there is one (so a figure shows the
+    setting the tables report, not an older sweep's), then the lowest seed, then the run id."""
+    canonical = canonical_groups(runs)
     chosen: dict[str, dict[str, Run]] = defaultdict(dict)
-    for run in sorted(runs, key=lambda r: (r.record.seed, r.record.run_id)):
+    for run in sorted(runs, key=lambda r: (r.record.group_id not in canonical, r.record.seed, r.record.run_id)):
         if defense is not None and run.record.defense["name"] != defense:
             continue
         if run.record.artifacts is None or not all(k in run.artifacts for k in needs):

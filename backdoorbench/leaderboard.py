@@ -401,7 +401,7 @@ def _training_key(row: Row) -> tuple[str, str, str]:
 def clean_controls(rows: list[Row]) -> None:
     """Fill each attack row's `ca_vs_clean`: its mean CA minus the mean CA of the clean control
     (attack `none`, no defense) of the same dataset, model and trainer config (every trainer key
-    but progress), in points. The control rows of both target modes are pooled (a clean model has
+    but progress; `_training_key` reads older record schemas), in points. The control rows of both target modes are pooled (a clean model has
     no mode): their seed-weighted mean, their std the larger of the rows' stds and the spread of
     their means; the cell's ± is the root-sum-square of the two stds. No control trained the same
     way: no value (run `attack=none` with that trainer)."""

@@ -229,3 +229,20 @@ def test_a_model_keeps_its_colour_in_every_robust_accuracy_panel(tiny_results, t
     assert set(colours) == {"attacked model (rbc_mnist, plain)", "angular_margin λ=0", "angular_margin λ=100"}
     assert all(len(c) == 1 for c in colours.values())  # one colour per model across the panels
     assert len({next(iter(c)) for c in colours.values()}) == 3  # and three different ones
+
+
+def test_a_figure_shows_the_run_of_the_canonical_row_not_an_older_sweep(tmp_path):
+    """An older single-seed setting whose run id sorts first must not stand for the attack in the
+    gallery when the leaderboard's canonical row (3 seeds, the current defaults) has artifacts."""
+    old, *_ = synthetic_runs(tmp_path / "old", attacks=["badnets"])
+    old.record.run_id, old.record.group_id = "00000000", "g_old"
+    old.record.config = {"attack": {"pattern": "checkerboard"}, "trainer": {"epochs": 10}}
+    current = []
+    for seed in (0, 1, 2):
+        run, *_ = synthetic_runs(tmp_path / f"s{seed}", attacks=["badnets"])
+        run.record.run_id, run.record.group_id, run.record.seed = f"ffff000{seed}", "g_now", seed
+        run.record.config = {"attack": {"pattern": "white"}, "trainer": {"epochs": 10}}
+        current.append(run)
+    picked = figures.pick_per_attack([old, *current], ("examples_clean",))["mnist5k"]["badnets all2one"]
+    assert picked is current[0]
+    assert figures.pick_per_attack([old], ("examples_clean",))["mnist5k"]["badnets all2one"] is old
