@@ -220,8 +220,10 @@ def _shared_legend(fig, source, spare) -> None:
         spare.axis("off")
         spare.legend(handles, labels, loc="center", fontsize=9, frameon=False)
     else:
-        # below the panels: above them it would meet the figure's title
-        fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9, frameon=False)
+        # below the panels (above them it would meet the figure's title), in as many columns as the
+        # figure's width holds: one long row would widen the figure and shrink its panels
+        columns = max(1, min(len(labels), int(fig.get_figwidth() / 1.7)))
+        fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=9, frameon=False)
 
 
 def _training(config: dict[str, Any]) -> str:
@@ -641,12 +643,20 @@ def _reactivation_curves(runs: list[Run]) -> dict[str, dict[str, dict[str, dict[
     return curves
 
 
+def _distinct_colour(index: int) -> tuple[float, ...]:
+    """The index-th of 19 distinct colours: tab10, then the darkest of each tab20b hue, then
+    tab20c's; a figure with 11 or more curves (every defense) repeats none of them."""
+    palette = ([plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("tab20b")(i) for i in (0, 4, 8, 12, 16)]
+               + [plt.get_cmap("tab20c")(i) for i in (0, 4, 8, 12)])
+    return palette[index % len(palette)]
+
+
 def reactivation_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     written = []
     for dataset, by_attack in sorted(_reactivation_curves(runs).items()):
-        fig, axes, spare = _panels(len(by_attack))
+        fig, axes, spare = _panels(len(by_attack), width=4.8, height=4.2)
         names = sorted({name for by_name in by_attack.values() for name in by_name}, key=lambda n: (n != UNDEFENDED, n))
-        colours = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}
+        colours = {name: _distinct_colour(i) for i, name in enumerate(names)}
         handles: dict[str, Any] = {}
         for ax, (label, by_name) in zip(axes, sorted(by_attack.items())):
             for name in sorted(by_name, key=lambda n: (n != UNDEFENDED, n)):

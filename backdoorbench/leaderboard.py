@@ -266,14 +266,29 @@ def _short_value(text: str) -> str:
     return text
 
 
+OPTIONAL_STAGES = ("eval.reactivation",)  # evaluation stages a record may lack (older) or hold switched off
+
+
+def _stages_off_dropped(flat: dict[str, str]) -> dict[str, str]:
+    """A flattened config with each optional stage as one key, `<stage>`: `on` or `off`, and the
+    stage's settings only where it ran: a record made before the stage existed and one with the
+    stage off are the same setting, and a row whose stage ran is labelled e.g. `reactivation=on`
+    (with the settings in which such rows differ)."""
+    for stage in OPTIONAL_STAGES:
+        ran = flat.get(f"{stage}.enabled") == "true"
+        flat = {k: v for k, v in flat.items() if not (k == f"{stage}.enabled" or (not ran and k.startswith(stage + ".")))}
+        flat[stage] = '"on"' if ran else '"off"'
+    return flat
+
+
 def setting_labels(configs: list[dict[str, Any]]) -> list[str]:
     """For configs of rows that share attack (and defense), a short label per config of the values
     in which they differ, e.g. `epochs=1, poison_rate=0.05`; "" when there is only one."""
     if len(configs) < 2:
         return [""] * len(configs)
     ignored = set(NON_RESULT_KEYS) | {"seed"}
-    flat = [{k: v for k, v in _flatten(c).items() if not any(k == i or k.startswith(i + ".") for i in ignored)}
-            for c in configs]
+    flat = [_stages_off_dropped({k: v for k, v in _flatten(c).items()
+                                 if not any(k == i or k.startswith(i + ".") for i in ignored)}) for c in configs]
     keys = sorted(set().union(*flat))
     differing = [k for k in keys if len({f.get(k, "null") for f in flat}) > 1]
     # A key that some configs lack and the others hold at one value came or went with a schema

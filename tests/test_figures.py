@@ -246,3 +246,9 @@ def test_a_figure_shows_the_run_of_the_canonical_row_not_an_older_sweep(tmp_path
     picked = figures.pick_per_attack([old, *current], ("examples_clean",))["mnist5k"]["badnets all2one"]
     assert picked is current[0]
     assert figures.pick_per_attack([old], ("examples_clean",))["mnist5k"]["badnets all2one"] is old
+
+
+def test_every_defense_curve_of_the_reactivation_figure_has_its_own_colour():
+    """12 curves (the victim and 11 defenses) drew two pairs in one colour with tab10 alone."""
+    colours = [figures._distinct_colour(i) for i in range(19)]
+    assert len(set(colours)) == 19

@@ -440,3 +440,14 @@ def test_the_canonical_attack_row_is_the_one_at_the_attack_defaults():
     assert attack_at_defaults({"name": "adaptive_blend", "poison_rate": 0.1, "cover_rate": 0.1, "target_mode": "all2all"}, "adaptive_blend")
     assert not attack_at_defaults({"poison_rate": 0.0375, "cover_rate": 0.0375}, "adaptive_blend")
     assert not attack_at_defaults({"poison_rate": 0.1}, "no_such_attack")
+
+
+def test_an_optional_stage_labels_a_row_by_whether_it_ran():
+    """A record older than eval.reactivation and one with it off are one setting; the row whose
+    stage ran is `reactivation=on`, not a list of the keys the older schema lacks."""
+    stage = {"enabled": False, "epochs": 5, "lr": 0.01, "probe": {"eps": 0.06, "epochs": 50}}
+    older = config()
+    off = config() | {"eval": {"reactivation": stage}}
+    on = config() | {"eval": {"reactivation": stage | {"enabled": True}}}
+    assert setting_labels([older, on]) == ["reactivation=off", "reactivation=on"]
+    assert setting_labels([older, off]) == ["", ""]
