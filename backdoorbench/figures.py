@@ -140,11 +140,11 @@ def pick_per_attack(runs: list[Run], needs: tuple[str, ...], defense: str | None
     """dataset -> attack label -> one run having artifacts `needs`, among runs of `defense` (None =
     any): a run of the leaderboard's canonical row where there is one (so a figure shows the
     setting the tables report, not an older sweep's), then the lowest seed, then the run id."""
+    if defense is not None:  # a defense row's canonical choice is among rows of its own defense
+        runs = [run for run in runs if run.record.defense["name"] == defense]
     canonical = canonical_groups(runs)
     chosen: dict[str, dict[str, Run]] = defaultdict(dict)
     for run in sorted(runs, key=lambda r: (r.record.group_id not in canonical, r.record.seed, r.record.run_id)):
-        if defense is not None and run.record.defense["name"] != defense:
-            continue
         if run.record.artifacts is None or not all(k in run.artifacts for k in needs):
             continue
         chosen[run.dataset].setdefault(run.attack_label, run)

@@ -269,7 +269,7 @@ def _short_value(text: str) -> str:
 OPTIONAL_STAGES = ("eval.reactivation",)  # evaluation stages a record may lack (older) or hold switched off
 
 
-def _stages_off_dropped(flat: dict[str, str]) -> dict[str, str]:
+def _optional_stages_as_switches(flat: dict[str, str]) -> dict[str, str]:
     """A flattened config with each optional stage as one key, `<stage>`: `on` or `off`, and the
     stage's settings only where it ran: a record made before the stage existed and one with the
     stage off are the same setting, and a row whose stage ran is labelled e.g. `reactivation=on`
@@ -287,7 +287,7 @@ def setting_labels(configs: list[dict[str, Any]]) -> list[str]:
     if len(configs) < 2:
         return [""] * len(configs)
     ignored = set(NON_RESULT_KEYS) | {"seed"}
-    flat = [_stages_off_dropped({k: v for k, v in _flatten(c).items()
+    flat = [_optional_stages_as_switches({k: v for k, v in _flatten(c).items()
                                  if not any(k == i or k.startswith(i + ".") for i in ignored)}) for c in configs]
     keys = sorted(set().union(*flat))
     differing = [k for k in keys if len({f.get(k, "null") for f in flat}) > 1]
@@ -416,9 +416,10 @@ def _training_key(row: Row) -> tuple[str, str, str]:
 def clean_controls(rows: list[Row]) -> None:
     """Fill each attack row's `ca_vs_clean`: its mean CA minus the mean CA of the clean control
     (attack `none`, no defense) of the same dataset, model and trainer config (every trainer key
-    but progress; `_training_key` reads older record schemas), in points. The control rows of both target modes are pooled (a clean model has
-    no mode): their seed-weighted mean, their std the larger of the rows' stds and the spread of
-    their means; the cell's ± is the root-sum-square of the two stds. No control trained the same
+    but progress; `_training_key` reads older record schemas), in points. The control rows of both
+    target modes are pooled (a clean model has no mode): their seed-weighted mean, their std the
+    larger of the rows' stds and the spread of their means; the cell's ± is the root-sum-square of
+    the two stds. No control trained the same
     way: no value (run `attack=none` with that trainer)."""
     controls: dict[tuple[str, str, str], list[Cell]] = defaultdict(list)
     for row in rows:
