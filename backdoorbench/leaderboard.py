@@ -455,28 +455,48 @@ def benign_controls(rows: list[Row]) -> None:
             row.cells["benign_fp"] = controls.get(_defense_key(row))
 
 
+def _sweep_key(row: Row, swept: tuple[str, ...]) -> tuple[str, ...]:
+    """What the rows of one sensitivity sweep share: every config key that changes the ASR after the
+    defense but the swept ones and the seed. The trainer compares as `_training_key` does (a record of
+    an older schema joins a sweep run since), and `eval.*` is left out: it only adds measurements
+    after the defense (robust accuracy, reactivation, stealth), so the defense table's rows and the
+    reactivation runs at the defaults join the sweep of the same setting."""
+    flat = {k: _number_text(v) for k, v in _flatten(row.config).items()
+            if not k.startswith(("trainer.", "eval.")) and k not in NON_RESULT_KEYS + ("seed",) + swept}
+    return (*_training_key(row), json.dumps(flat, sort_keys=True))
+
+
 def sensitivity_spread(rows: list[Row]) -> None:
     """Fill `asr_spread` of a defense row at its defaults: max - min of the mean ASR after over the
-    rows that differ from it only in the keys its sensitivity sweep varies (protocols.SENSITIVITY),
-    when there are at least two settings. How far the defense's result moves with its own knobs."""
-    from backdoorbench.pipeline import config_hash
+    settings of its sensitivity sweep (the rows that differ from it only in the keys the sweep varies,
+    protocols.SENSITIVITY), when there are at least two. How far the defense's result moves with its
+    own knobs. A sweep compares like with like: of the seed sets its rows ran, the one that covers the
+    most settings (then the most seeds), one row per setting; the cell's n is that set's size, so a
+    3-seed row whose sweep ran seed 0 only shows a one-seed spread, flagged."""
     from backdoorbench.protocols import SENSITIVITY, at_defaults
 
-    sweeps: dict[str, list[Row]] = defaultdict(list)
+    sweeps: dict[tuple[str, ...], list[Row]] = defaultdict(list)
     for row in rows:
         if row.table != "defenses" or isinstance(row.cells.get("asr_spread"), NotApplicable):
             continue
         row.cells["asr_spread"] = None
         keys = tuple(f"defense.{key}" for key in SENSITIVITY.get(row.defense, ()))
         if keys and isinstance(row.cells.get("asr_after"), Cell):
-            sweeps[config_hash(row.config, NON_RESULT_KEYS + ("seed",) + keys)].append(row)
+            sweeps[_sweep_key(row, keys)].append(row)
     for members in sweeps.values():
-        if len(members) < 2:
+        keys = tuple(f"defense.{key}" for key in SENSITIVITY[members[0].defense])
+        by_seeds: dict[tuple[int, ...], dict[str, Row]] = defaultdict(dict)
+        for row in sorted(members, key=lambda r: r.created_at, reverse=True):  # the newest row of a setting
+            flat = _flatten(row.config)
+            setting = json.dumps([_number_text(flat[k]) if k in flat else None for k in keys])
+            by_seeds[tuple(sorted(row.seeds))].setdefault(setting, row)
+        seeds, chosen = max(by_seeds.items(), key=lambda item: (len(item[1]), len(item[0])))
+        if len(chosen) < 2:
             continue
-        means = [m.cells["asr_after"].mean for m in members]
+        means = [r.cells["asr_after"].mean for r in chosen.values()]
         for row in members:
             if at_defaults(row.config.get("defense"), row.defense):
-                row.cells["asr_spread"] = Cell(max(means) - min(means), 0.0, row.n)
+                row.cells["asr_spread"] = Cell(max(means) - min(means), 0.0, len(seeds))
 
 
 def mark_canonical(rows: list[Row]) -> None:
@@ -558,8 +578,8 @@ GLOSSARY = (
                "(python -m backdoorbench --multirun experiment=benign)."),
     ("spread", "ASR spread, in points, on a defense's row at its default settings: max − min ASR after over the "
                "rows that differ from it only in the hyper-parameter its sensitivity sweep varies (e.g. Neural "
-               "Cleanse's anomaly threshold; python -m backdoorbench --multirun experiment=sensitivity_<defense>): "
-               "large = fragile; – where no sweep was run."),
+               "Cleanse's anomaly threshold; python -m backdoorbench --multirun experiment=sensitivity_<defense>), "
+               "over the seeds the sweep ran (its n): large = fragile; – where no sweep was run."),
     ("ΔCA vs clean", "in percentage points: the row's CA minus that of the clean control (attack none) trained the "
                      "same way (dataset, model, trainer, computed precision; an older record's retired trainer.amp counts as "
                      "the precision it ran in); – where no such control was run."),

@@ -204,6 +204,34 @@ def test_leaderboard_shows_cost_benign_fp_from_the_clean_victim_and_the_spread_o
     assert "| cost s | passes/img | benign FP % | ASR spread |" in page
 
 
+def test_a_sweep_run_after_the_table_gives_the_tables_older_3_seed_row_a_spread_of_its_own_seeds(tmp_path):
+    from backdoorbench.leaderboard import write_leaderboard
+
+    runs = tmp_path / "runs"
+    # the defense table's row: an older trainer schema (amp on the CPU, no rotation), seeds 0-2
+    old = nc_config()
+    old["trainer"] = {"epochs": 10, "amp": True}
+    for seed, asr in ((0, 0.10), (1, 0.30), (2, 0.50)):
+        save_defense_run(runs, f"table{seed}", seed=seed, asr_after=asr, cfg=old)
+    # the sweep, later, seed 0 only: today's trainer keys, the evaluation extras of a reactivation run
+    for threshold, asr in ((1.5, 0.02), (2.0, 0.10), (3.0, 0.70)):
+        new = nc_config(threshold=threshold)
+        new["trainer"] = {"epochs": 10, "precision": "auto", "rotation": 0.0, "rotation_p": 0.5}
+        new["eval"] = {"reactivation": {"enabled": threshold == 2.0}}
+        save_defense_run(runs, f"sweep{threshold}", asr_after=asr, cfg=new)
+    other = nc_config(threshold=3.0)
+    other["trainer"] = {"epochs": 30, "precision": "auto", "rotation": 0.0, "rotation_p": 0.5}  # another training
+    save_defense_run(runs, "other", asr_after=0.9, cfg=other)
+    rows = list(csv.DictReader(write_leaderboard(tmp_path).csv["defenses"].open()))
+    (table,) = [r for r in rows if r["n"] == "3"]
+    assert table["canonical"] == "true"
+    # seed 0 against seed 0: 70 - 2 points, not against the table's 3-seed mean (30%), and n = 1
+    assert float(table["asr_spread_mean"]) == pytest.approx(0.70 - 0.02)
+    assert table["asr_spread_n"] == "1"
+    spreads = [r for r in rows if r["asr_spread_mean"] != ""]
+    assert len(spreads) == 2  # the table's row and the sweep's own run at the default threshold
+
+
 def test_old_records_without_cost_read_the_defense_time_and_stay_valid(tmp_path):
     from backdoorbench.leaderboard import write_leaderboard
     from backdoorbench.records import load_record
