@@ -371,6 +371,7 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
     clean_controls(rows)
     benign_controls(rows)
     sensitivity_spread(rows)
+    borrowed_measures(rows)
     mark_canonical(rows)
     rows.sort(key=lambda r: (r.dataset, r.table, r.defense, r.model, r.attack, r.target_mode, r.label, r.group_id))
     return rows
@@ -497,6 +498,33 @@ def sensitivity_spread(rows: list[Row]) -> None:
         for row in members:
             if at_defaults(row.config.get("defense"), row.defense):
                 row.cells["asr_spread"] = Cell(max(means) - min(means), 0.0, len(seeds))
+
+
+# Columns a row of an older schema, or one run without the opt-in stage, lacks and can take from a
+# row of the same setting that measured them: they depend on the defense and its setting, not on
+# which run of that setting measured them.
+BORROWED_COLUMNS = ("asr_reactivated", "passes_per_img")
+
+
+def borrowed_measures(rows: list[Row]) -> None:
+    """Fill a defense row's empty `BORROWED_COLUMNS` cells from the row of the same setting (the same
+    key as a sensitivity sweep's, nothing swept: every config key but the seed and `eval.*`, the
+    trainer across schemas) that has them, the one with the most seeds, then the newest: the defense
+    table's 3-seed rows show the reactivation run's ASR and the cost of a later run, with that
+    row's n, so `(n=1) †` says where it came from."""
+    by_setting: dict[tuple[str, ...], list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.table == "defenses":
+            by_setting[_sweep_key(row, ())].append(row)
+    for members in by_setting.values():
+        for key in BORROWED_COLUMNS:
+            measured = [m for m in members if isinstance(m.cells.get(key), Cell)]
+            if not measured:
+                continue
+            source = max(measured, key=lambda m: (m.n, m.created_at))
+            for row in members:
+                if row.cells.get(key) is None:
+                    row.cells[key] = source.cells[key]
 
 
 def mark_canonical(rows: list[Row]) -> None:

@@ -160,7 +160,7 @@ def nc_config(attack="badnets", threshold=2.0, clean_fraction=0.1):
 
 
 def save_defense_run(runs, name, *, seed=0, attack="badnets", asr_after=0.1, ca_after=0.95, cfg=None, benign=None,
-                     cost=None, defense="neural_cleanse", clean_fraction=None):
+                     cost=None, defense="neural_cleanse", clean_fraction=None, reactivation=None):
     from backdoorbench.pipeline import config_hash
     from backdoorbench.records import save_record
     from tests.test_records import make_record
@@ -173,7 +173,7 @@ def save_defense_run(runs, name, *, seed=0, attack="badnets", asr_after=0.1, ca_
                          defense=defense_info, config={**cfg, "seed": seed},
                          metrics={"attacked": {"clean_acc": 0.97, "asr": 1.0, "ra": 0.0},
                                   "defended": {"clean_acc": ca_after, "asr": asr_after, "ra": 0.5}, "der": 0.9},
-                         benign=benign, defense_cost=cost)
+                         benign=benign, defense_cost=cost, reactivation=reactivation)
     save_record(record, runs / "mnist5k" / f"{attack}_all2one" / f"{name}.json")
     return record
 
@@ -230,6 +230,32 @@ def test_a_sweep_run_after_the_table_gives_the_tables_older_3_seed_row_a_spread_
     assert table["asr_spread_n"] == "1"
     spreads = [r for r in rows if r["asr_spread_mean"] != ""]
     assert len(spreads) == 2  # the table's row and the sweep's own run at the default threshold
+
+
+def test_the_table_row_shows_the_reactivation_and_cost_its_setting_measured_in_a_later_run(tmp_path):
+    from backdoorbench.leaderboard import write_leaderboard
+
+    runs = tmp_path / "runs"
+    old = nc_config()
+    old["trainer"] = {"epochs": 10, "amp": True}  # the defense table: an older schema, no cost counted
+    for seed in (0, 1, 2):
+        save_defense_run(runs, f"table{seed}", seed=seed, cfg=old)
+    new = nc_config()
+    new["trainer"] = {"epochs": 10, "precision": "auto", "rotation": 0.0, "rotation_p": 0.5}
+    new["eval"] = {"reactivation": {"enabled": True}}
+    cost = {"seconds": 80.0, "passes_per_train_image": 50.8}
+    curve = {"steps": [0, 5], "ca": [0.95, 0.96], "asr": [0.29, 0.80]}
+    save_defense_run(runs, "reactivated", cfg=new, cost=cost, reactivation={"defended": curve})
+    other = nc_config(clean_fraction=0.05)  # another setting measures nothing for the table's row
+    save_defense_run(runs, "other", cfg=other, cost={"seconds": 1.0, "passes_per_train_image": 9.0},
+                     reactivation={"defended": {**curve, "asr": [0.1, 0.1]}})
+    rows = list(csv.DictReader(write_leaderboard(tmp_path).csv["defenses"].open()))
+    (table,) = [r for r in rows if r["n"] == "3"]
+    assert float(table["asr_reactivated_mean"]) == pytest.approx(0.80) and table["asr_reactivated_n"] == "1"
+    assert float(table["passes_per_img_mean"]) == pytest.approx(50.8) and table["passes_per_img_n"] == "1"
+    assert table["cost_s_mean"] == ""  # seconds are not borrowed: they belong to a machine and a run
+    page = (tmp_path / "leaderboard" / "leaderboard.md").read_text()
+    assert "80.00 (n=1) †" in page
 
 
 def test_old_records_without_cost_read_the_defense_time_and_stay_valid(tmp_path):
