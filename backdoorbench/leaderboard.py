@@ -467,6 +467,25 @@ def _sweep_key(row: Row, swept: tuple[str, ...]) -> tuple[str, ...]:
     return (*_training_key(row), json.dumps(flat, sort_keys=True))
 
 
+def _frozen(value: Any) -> Any:
+    """A config value as a dict key: lists as tuples (NAD's betas)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def sweep_settings(members: list[Row], keys: tuple[str, ...]) -> tuple[tuple[int, ...], dict[tuple, Row]]:
+    """Of rows that differ only in the dotted config `keys` (and the seeds), one row per setting,
+    all of one seed set: the set that covers the most settings, then the most seeds; the newest row
+    of a setting. Returns that seed set and {setting (the keys' values, numbers as floats): row}."""
+    by_seeds: dict[tuple[int, ...], dict[tuple, Row]] = defaultdict(dict)
+    for row in sorted(members, key=lambda r: r.created_at, reverse=True):
+        flat = _flatten(row.config)
+        setting = tuple(_frozen(json.loads(_number_text(flat[k]))) if k in flat else None for k in keys)
+        by_seeds[tuple(sorted(row.seeds))].setdefault(setting, row)
+    if not by_seeds:
+        return (), {}
+    return max(by_seeds.items(), key=lambda item: (len(item[1]), len(item[0])))
+
+
 def sensitivity_spread(rows: list[Row]) -> None:
     """Fill `asr_spread` of a defense row at its defaults: max - min of the mean ASR after over the
     settings of its sensitivity sweep (the rows that differ from it only in the keys the sweep varies,
@@ -486,12 +505,7 @@ def sensitivity_spread(rows: list[Row]) -> None:
             sweeps[_sweep_key(row, keys)].append(row)
     for members in sweeps.values():
         keys = tuple(f"defense.{key}" for key in SENSITIVITY[members[0].defense])
-        by_seeds: dict[tuple[int, ...], dict[str, Row]] = defaultdict(dict)
-        for row in sorted(members, key=lambda r: r.created_at, reverse=True):  # the newest row of a setting
-            flat = _flatten(row.config)
-            setting = json.dumps([_number_text(flat[k]) if k in flat else None for k in keys])
-            by_seeds[tuple(sorted(row.seeds))].setdefault(setting, row)
-        seeds, chosen = max(by_seeds.items(), key=lambda item: (len(item[1]), len(item[0])))
+        seeds, chosen = sweep_settings(members, keys)
         if len(chosen) < 2:
             continue
         means = [r.cells["asr_after"].mean for r in chosen.values()]
@@ -894,12 +908,14 @@ class LeaderboardFiles:
     csv: dict[str, Path]
     n_rows: int
     n_records: int
+    protocols: Path | None = None  # the protocol tables of issue 18 (backdoorbench.protocol_tables)
 
 
 def write_leaderboard(results_dir: str | Path, *, dataset: str | None = None, model: str | None = None,
                       target_mode: str | None = None) -> LeaderboardFiles:
     """Build the tables from the records under `<results_dir>/runs/` and write them to
-    `<results_dir>/leaderboard/` (leaderboard.md, leaderboard.html, attacks.csv, defenses.csv)."""
+    `<results_dir>/leaderboard/` (leaderboard.md, leaderboard.html, attacks.csv, defenses.csv, and
+    protocols.md: the reactivation, clean-budget and sensitivity tables)."""
     results_dir = Path(results_dir).expanduser()
     if not (results_dir / "runs").is_dir():
         raise ConfigError(f"results_dir={str(results_dir)!r} has no runs/ folder; run `python -m backdoorbench "
@@ -914,12 +930,15 @@ def write_leaderboard(results_dir: str | Path, *, dataset: str | None = None, mo
     out = ensure_writable_dir(results_dir / "leaderboard", "the leaderboard folder at results_dir")
     # results/README.md tells the commands of the committed rows; another results_dir may have its own
     notes = "../README.md" if (results_dir / "README.md").is_file() else None
+    from backdoorbench.protocol_tables import protocol_markdown
+
     texts = {"leaderboard.md": to_markdown(rows, filters), "leaderboard.html": to_html(rows, filters, notes),
-             "attacks.csv": to_csv(rows, "attacks"), "defenses.csv": to_csv(rows, "defenses")}
+             "attacks.csv": to_csv(rows, "attacks"), "defenses.csv": to_csv(rows, "defenses"),
+             "protocols.md": protocol_markdown(rows, records)}
     paths = {name: atomic_write_text(out / name, text) for name, text in texts.items()}
     return LeaderboardFiles(markdown=paths["leaderboard.md"], html=paths["leaderboard.html"],
                             csv={"attacks": paths["attacks.csv"], "defenses": paths["defenses.csv"]},
-                            n_rows=len(rows), n_records=len(records))
+                            n_rows=len(rows), n_records=len(records), protocols=paths["protocols.md"])
 
 
 def parse_args(args: list[str], options: dict[str, str | None], usage: str) -> dict[str, str | None]:
@@ -954,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {files}", file=sys.stderr)
         return 2
     print(f"{files.n_rows} rows from {files.n_records} records -> {files.markdown}, {files.html}, "
-          f"{files.csv['attacks']}, {files.csv['defenses']}")
+          f"{files.csv['attacks']}, {files.csv['defenses']}, {files.protocols}")
     return 0
 
 

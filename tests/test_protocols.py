@@ -258,6 +258,35 @@ def test_the_table_row_shows_the_reactivation_and_cost_its_setting_measured_in_a
     assert "80.00 (n=1) †" in page
 
 
+def test_the_protocol_tables_show_the_clean_budget_and_sensitivity_sweeps_and_the_reactivation_runs(tmp_path):
+    from backdoorbench.leaderboard import write_leaderboard
+
+    runs = tmp_path / "runs"
+    for fraction, asr in ((0.01, 0.9), (0.05, 0.3), (0.1, 0.1)):  # a clean-budget sweep
+        save_defense_run(runs, f"cb{fraction}", asr_after=asr, cfg=nc_config(clean_fraction=fraction))
+    for threshold, asr in ((1.5, 0.2), (2.5, 0.4)):  # with the 10% run: NC's threshold at 1.5, 2, 2.5
+        save_defense_run(runs, f"t{threshold}", asr_after=asr, cfg=nc_config(threshold=threshold))
+    pair = nc_config(attack="blended", clean_fraction=0.05)  # two settings only: not drawn as a sweep
+    save_defense_run(runs, "b1", attack="blended", cfg=pair)
+    save_defense_run(runs, "b2", attack="blended", cfg=nc_config(attack="blended"))
+    reactivated = nc_config()
+    reactivated["eval"] = {"reactivation": {"enabled": True}}
+    curve = {"steps": [0, 5], "ca": [0.95, 0.96], "asr": [0.1, 0.8], "probe": {"asr": 0.5, "asr_clean_model": 0.01}}
+    save_defense_run(runs, "r", asr_after=0.1, cfg=reactivated, cost={"seconds": 79.4, "passes_per_train_image": 50.8},
+                     reactivation={"defended": curve, "attacked": {**curve, "asr": [1.0, 0.99]}})
+    text = write_leaderboard(tmp_path).protocols.read_text()
+    budget = text.split("## Clean-data budget")[1].split("## Sensitivity")[0]
+    assert "| defense | setting | seeds | 1% | 5% | 10% |" in budget
+    assert "| neural_cleanse | anomaly_threshold=2 | 0 | 95.0 / 90.0 | 95.0 / 30.0 | 95.0 / 10.0 |" in budget
+    assert "blended" not in budget
+    sensitivity = text.split("## Sensitivity")[1]
+    assert "| neural_cleanse | anomaly_threshold | 0 | 1.5: 20.0 / 95.0 · **2**: 10.0 / 95.0 · 2.5: 40.0 / 95.0 | 30.0 |" \
+        in sensitivity
+    reactivation = text.split("## Reactivation and cost")[1].split("## Clean-data budget")[0]
+    assert ("| neural_cleanse | anomaly_threshold=2, clean_fraction=0.1 | 1 | 95.0 / 10.0 | 80.0 | 50.0 / 1.0 | 99.0 "
+            "| 50.80 | 79 |") in reactivation
+
+
 def test_old_records_without_cost_read_the_defense_time_and_stay_valid(tmp_path):
     from backdoorbench.leaderboard import write_leaderboard
     from backdoorbench.records import load_record

@@ -1,0 +1,188 @@
+"""Issue 18's protocol tables, made from the records (`<results_dir>/leaderboard/protocols.md`,
+written with the leaderboard): per attack, the reactivation and cost of every defense run with
+`eval.reactivation.enabled=true`; the clean-data budget sweep (`experiment=clean_budget`); the
+sensitivity sweeps (`experiment=sensitivity_<defense>`). Every number is the mean over the seeds
+of one setting (± the std where there are several); n says how many."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any, Callable
+
+from backdoorbench.leaderboard import Row, _sweep_key, sweep_settings
+from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES, CLEAN_BUDGET_KEY, SENSITIVITY, defense_defaults
+from backdoorbench.records import RunRecord
+
+# The sweeps drawn as a table need this many settings: two rows of one setting that happen to differ
+# in one key (an earlier protocol beside the table's) are not a sweep.
+MIN_SETTINGS = 3
+
+
+def _stat(values: list[float | None], scale: float = 100.0, digits: int = 1) -> str:
+    kept = [v for v in values if v is not None]
+    if not kept:
+        return "–"
+    mean = statistics.fmean(kept) * scale
+    if len(kept) == 1 or statistics.stdev(kept) * scale < 0.5 * 10 ** -digits:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(kept) * scale:.{digits}f}"
+
+
+def _pct(values: list[float | None]) -> str:
+    return _stat(values)
+
+
+def _curve(record: RunRecord, part: str) -> dict[str, Any]:
+    block = getattr(record, "reactivation", None) or {}
+    curve = block.get(part)
+    return curve if isinstance(curve, dict) and curve.get("asr") else {}
+
+
+def _setting(label: str, *dropped: str) -> str:
+    """A row's setting label without the parts a table's columns already say: whether the optional
+    reactivation stage ran, and the swept key."""
+    return ", ".join(p for p in label.split(", ") if p and not p.startswith(("reactivation=", *dropped))) or "–"
+
+
+def _heading(row: Row) -> str:
+    return f"{row.dataset}, {row.model}: {row.attack} {row.target_mode}, victim trained {row.training}"
+
+
+def reactivation_tables(rows: list[Row], records: dict[str, RunRecord]) -> list[str]:
+    """One table per attack setting: each defense row whose own runs measured the retuning attack."""
+    groups: dict[str, list[tuple[Row, list[RunRecord]]]] = defaultdict(list)
+    for row in rows:
+        if row.table != "defenses":
+            continue
+        members = [records[i] for i in row.run_ids if i in records and _curve(records[i], "defended")]
+        if members:
+            groups[_heading(row)].append((row, members))
+    lines: list[str] = []
+    for heading, entries in sorted(groups.items()):
+        lines += [f"### {heading}", "",
+                  "| defense | setting | n | CA / ASR after the defense | ASR after retuning | QRA probe ASR: "
+                  "defended / clean model | victim's ASR after the same retuning | passes/img | cost s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row, members in sorted(entries, key=lambda e: (e[0].defense, e[0].label)):
+            def get(read: Callable[[RunRecord], float | None]) -> list[float | None]:
+                return [read(r) for r in members]
+            defended = [_curve(r, "defended") for r in members]
+            probe = [c.get("probe") or {} for c in defended]
+            cost = [r.defense_cost or {} for r in members]
+            setting = _setting(row.label)
+            lines.append(" | ".join([
+                f"| {row.defense}", setting, str(len(members)),
+                f"{_pct(get(lambda r: r.metrics['defended']['clean_acc']))} / "
+                f"{_pct(get(lambda r: r.metrics['defended']['asr']))}",
+                _pct([c["asr"][-1] for c in defended]),
+                f"{_pct([p.get('asr') for p in probe])} / {_pct([p.get('asr_clean_model') for p in probe])}",
+                _pct([(_curve(r, "attacked").get("asr") or [None])[-1] for r in members]),
+                _stat([c.get("passes_per_train_image") for c in cost], 1.0, 2),
+                _stat([c.get("seconds", r.timings_s.get("defense")) for c, r in zip(cost, members)], 1.0, 0)]) + " |")
+        lines.append("")
+    return lines
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_value_text(v) for v in value) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]]) -> dict[str, list[tuple[Row, tuple, dict]]]:
+    """heading -> [(a row of the sweep, its seeds, {setting: row})] for each sweep of MIN_SETTINGS or more."""
+    by_key: dict[tuple[str, ...], list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.table == "defenses" and row.defense in defenses and row.cells.get("asr_after") is not None:
+            keys = tuple(f"defense.{k}" for k in defenses[row.defense])
+            by_key[(row.defense, *_sweep_key(row, keys))].append(row)
+    found: dict[str, list[tuple[Row, tuple, dict]]] = defaultdict(list)
+    for members in by_key.values():
+        keys = tuple(f"defense.{k}" for k in defenses[members[0].defense])
+        seeds, chosen = sweep_settings(members, keys)
+        if len(chosen) >= MIN_SETTINGS:
+            found[_heading(members[0])].append((members[0], seeds, chosen))
+    return found
+
+
+def clean_budget_tables(rows: list[Row]) -> list[str]:
+    """Per attack setting: CA / ASR after each defense at each share of clean training data it held."""
+    lines: list[str] = []
+    sweeps = _sweeps(rows, {d: (CLEAN_BUDGET_KEY,) for d in CLEAN_BUDGET_DEFENSES})
+    for heading, entries in sorted(sweeps.items()):
+        fractions = sorted({s[0] for _, _, chosen in entries for s in chosen if s[0] is not None})
+        lines += [f"### {heading}", "", "CA / ASR after the defense, %, at each clean fraction of the training set.", "",
+                  "| defense | setting | seeds | " + " | ".join(f"{100 * f:g}%" for f in fractions) + " |",
+                  "|---|---|---|" + "---|" * len(fractions)]
+        for first, seeds, chosen in sorted(entries, key=lambda e: (e[0].defense, e[0].label)):
+            cells = []
+            for fraction in fractions:
+                row = chosen.get((fraction,))
+                cells.append("–" if row is None else
+                             f"{_cell(row, 'ca_after')} / {_cell(row, 'asr_after')}")
+            setting = _setting(first.label, f"{CLEAN_BUDGET_KEY}=")
+            lines.append(f"| {first.defense} | {setting} | {' '.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _cell(row: Row, key: str) -> str:
+    cell = row.cells.get(key)
+    if cell is None or not hasattr(cell, "mean"):
+        return "–"
+    return f"{100 * cell.mean:.1f}" + (f" ± {100 * cell.std:.1f}" if cell.n > 1 and 100 * cell.std >= 0.05 else "")
+
+
+def sensitivity_tables(rows: list[Row]) -> list[str]:
+    """Per attack setting: each defense's ASR after (and CA after) at every value of its swept
+    hyper-parameter, the default in bold, and the spread (max - min ASR after, points)."""
+    lines: list[str] = []
+    for heading, entries in sorted(_sweeps(rows, SENSITIVITY).items()):
+        lines += [f"### {heading}", "",
+                  "Each value: ASR after / CA after the defense, %; the default in bold.", "",
+                  "| defense | swept | seeds | values: ASR / CA after | ASR spread (points) |", "|---|---|---|---|---|"]
+        for first, seeds, chosen in sorted(entries, key=lambda e: e[0].defense):
+            keys = SENSITIVITY[first.defense]
+            defaults = defense_defaults(first.defense)
+            default = tuple(_frozen_default(defaults.get(k)) for k in keys)
+            parts, asr = [], []
+            for setting in sorted(chosen, key=_sort_key):
+                row = chosen[setting]
+                value = ", ".join(_value_text(v) for v in setting)
+                value = f"**{value}**" if setting == default else value
+                parts.append(f"{value}: {_cell(row, 'asr_after')} / {_cell(row, 'ca_after')}")
+                asr.append(row.cells["asr_after"].mean)
+            lines.append(f"| {first.defense} | {', '.join(keys)} | {' '.join(map(str, seeds))} | {' · '.join(parts)} | "
+                         f"{100 * (max(asr) - min(asr)):.1f} |")
+        lines.append("")
+    return lines
+
+
+def _frozen_default(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_frozen_default(v) for v in value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _sort_key(setting: tuple) -> tuple:
+    return tuple((0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)) for v in setting)
+
+
+def protocol_markdown(rows: list[Row], records: list[RunRecord]) -> str:
+    by_id = {r.run_id: r for r in records}
+    sections = [
+        ("Reactivation and cost", "The retuning attack of Min et al. (NeurIPS 2024) after each defense, and "
+         "what the defense cost (passes: images through the model forward plus backward, per training image). "
+         "Runs with `eval.reactivation.enabled=true`.", reactivation_tables(rows, by_id)),
+        ("Clean-data budget", "`python -m backdoorbench --multirun experiment=clean_budget attack=<name>`: each "
+         "defense with 0.5% to 10% of the training set as its clean data.", clean_budget_tables(rows)),
+        ("Sensitivity", "`python -m backdoorbench --multirun experiment=sensitivity_<defense> attack=<name>`: "
+         "each defense's key hyper-parameter swept around its default.", sensitivity_tables(rows)),
+    ]
+    out = ["# Protocol tables (issue 18)", "",
+           "Made by `python -m backdoorbench.leaderboard` from the records, never by hand. "
+           "CA, ASR in %, mean ± std over the seeds listed; one seed: no ±.", ""]
+    for title, text, lines in sections:
+        out += [f"## {title}", "", text, ""] + (lines or ["No runs of this protocol.", ""])
+    return "\n".join(out)
