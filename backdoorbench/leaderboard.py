@@ -547,7 +547,8 @@ def mark_canonical(rows: list[Row]) -> None:
     sensitivity sweep varies, the newest of those on a tie (a protocol rerun at more
     seeds or a later setting supersedes); the other settings are sweeps and earlier protocols.
     A clean control (`attack=none` without a defense) is canonical when a canonical attack row is
-    compared with it (same dataset, model and trainer), so there can be one per training budget."""
+    compared with it (same dataset, model and trainer), so there can be one per training budget:
+    of controls trained the same way under two record schemas, the one with more seeds, then the newest."""
     peers: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
         row.canonical = False
@@ -564,9 +565,12 @@ def mark_canonical(rows: list[Row]) -> None:
     for members in peers.values():
         max(members, key=lambda r: (r.n, attack_at_default(r), at_default(r), r.created_at, r.group_id)).canonical = True
     compared = {_training_key(r) for r in rows if r.canonical and r.table == "attacks"}
+    controls: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for row in rows:
-        if row.table == "attacks" and row.attack == CLEAN_ATTACK:
-            row.canonical = _training_key(row) in compared
+        if row.table == "attacks" and row.attack == CLEAN_ATTACK and _training_key(row) in compared:
+            controls[_training_key(row)].append(row)
+    for members in controls.values():  # one per training: records of two schemas trained the same way
+        max(members, key=lambda r: (r.n, r.created_at, r.group_id)).canonical = True
 
 
 def cell_text(cell: Cell | NotApplicable | None, column: Column, row_n: int) -> str:

@@ -293,17 +293,23 @@ def test_canonical_rows_are_one_per_attack_and_mode_the_rest_are_sweeps(tmp_path
     # a clean control is canonical when a canonical row is compared with it (same trainer)
     save(runs, "n0", group="gn", seed=0, attack="none", attacked=(0.98, 0.0, 0.98), cfg=config(attack="none", epochs=20))
     save(runs, "m0", group="gm", seed=0, attack="none", attacked=(0.98, 0.0, 0.98), cfg=config(attack="none", epochs=1))
+    # the same control under an older trainer schema (amp, no rotation key), made earlier: one control is enough
+    older = config(attack="none", epochs=20)
+    older["trainer"]["amp"] = True
+    save(runs, "o0", group="go", seed=0, attack="none", attacked=(0.98, 0.0, 0.98), cfg=older,
+         created="2026-11-01T00:00:00+00:00")
     files = write_leaderboard(tmp_path)
     attacks = {r["group_id"]: r["canonical"] for r in read_csv(files.csv["attacks"])}
-    assert attacks == {"gl": "true", "ga": "false", "ge": "false", "gw": "true", "gc": "true", "gn": "true", "gm": "false"}
+    assert attacks == {"gl": "true", "ga": "false", "ge": "false", "gw": "true", "gc": "true", "gn": "true", "gm": "false",
+                       "go": "false"}
     assert {r["canonical"] for r in read_csv(files.csv["defenses"])} == {"true"}  # one setting per defense x attack
     text = files.markdown.read_text()
     mnist = text[text.index("## mnist5k"):]
-    canonical, other = mnist.index("#### Canonical (3 rows)"), mnist.index("#### Other settings: sweeps and earlier protocols (3 rows)")
+    canonical, other = mnist.index("#### Canonical (3 rows)"), mnist.index("#### Other settings: sweeps and earlier protocols (4 rows)")
     assert canonical < mnist.index("`gl`") < mnist.index("`gn`") < other < mnist.index("`ga`")
     assert "#### Canonical (2 rows)" in mnist  # the defenses
     page = files.html.read_text()
-    assert page.count('<tr class="canonical">') == 6 and page.count('<tr class="other">') == 3
+    assert page.count('<tr class="canonical">') == 6 and page.count('<tr class="other">') == 4
 
 
 def test_columns_that_carry_nothing_are_hidden_and_zero_spreads_not_printed(tmp_path):
