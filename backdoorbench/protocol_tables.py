@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from typing import Any, Callable
 
-from backdoorbench.leaderboard import Row, _sweep_key, sweep_settings
+from backdoorbench.leaderboard import Row, _sweep_key, setting_labels, sweep_settings
 from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES, CLEAN_BUDGET_KEY, SENSITIVITY, defense_defaults
 from backdoorbench.records import RunRecord
 
@@ -45,6 +45,22 @@ def _setting(label: str, *dropped: str) -> str:
     return ", ".join(p for p in label.split(", ") if p and not p.startswith(("reactivation=", *dropped))) or "–"
 
 
+def _labels(rows: list[Row]) -> dict[int, str]:
+    """id(row) -> what differs between the rows of one defense among `rows` (the rows a table shows,
+    not every row of the leaderboard), with a cut budget always named."""
+    by_defense: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        by_defense[row.defense].append(row)
+    labels = {}
+    for members in by_defense.values():
+        for row, label in zip(members, setting_labels([m.config for m in members])):
+            budget = (row.config.get("defense") or {}).get("budget")
+            if budget not in (None, "official") and "budget=" not in label:
+                label = ", ".join(filter(None, [label, f"budget={budget}"]))
+            labels[id(row)] = label
+    return labels
+
+
 def _heading(row: Row) -> str:
     return f"{row.dataset}, {row.model}: {row.attack} {row.target_mode}, victim trained {row.training}"
 
@@ -60,17 +76,18 @@ def reactivation_tables(rows: list[Row], records: dict[str, RunRecord]) -> list[
             groups[_heading(row)].append((row, members))
     lines: list[str] = []
     for heading, entries in sorted(groups.items()):
+        labels = _labels([row for row, _ in entries])
         lines += [f"### {heading}", "",
                   "| defense | setting | n | CA / ASR after the defense | ASR after retuning | QRA probe ASR: "
                   "defended / clean model | victim's ASR after the same retuning | passes/img | cost s |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for row, members in sorted(entries, key=lambda e: (e[0].defense, e[0].label)):
+        for row, members in sorted(entries, key=lambda e: (e[0].defense, labels[id(e[0])])):
             def get(read: Callable[[RunRecord], float | None]) -> list[float | None]:
                 return [read(r) for r in members]
             defended = [_curve(r, "defended") for r in members]
             probe = [c.get("probe") or {} for c in defended]
             cost = [r.defense_cost or {} for r in members]
-            setting = _setting(row.label)
+            setting = _setting(labels[id(row)])
             lines.append(" | ".join([
                 f"| {row.defense}", setting, str(len(members)),
                 f"{_pct(get(lambda r: r.metrics['defended']['clean_acc']))} / "
@@ -115,13 +132,14 @@ def clean_budget_tables(rows: list[Row]) -> list[str]:
         lines += [f"### {heading}", "", "CA / ASR after the defense, %, at each clean fraction of the training set.", "",
                   "| defense | setting | seeds | " + " | ".join(f"{100 * f:g}%" for f in fractions) + " |",
                   "|---|---|---|" + "---|" * len(fractions)]
-        for first, seeds, chosen in sorted(entries, key=lambda e: (e[0].defense, e[0].label)):
+        labels = _labels([first for first, _, _ in entries])
+        for first, seeds, chosen in sorted(entries, key=lambda e: (e[0].defense, labels[id(e[0])])):
             cells = []
             for fraction in fractions:
                 row = chosen.get((fraction,))
                 cells.append("–" if row is None else
                              f"{_cell(row, 'ca_after')} / {_cell(row, 'asr_after')}")
-            setting = _setting(first.label, f"{CLEAN_BUDGET_KEY}=")
+            setting = _setting(labels[id(first)], f"{CLEAN_BUDGET_KEY}=")
             lines.append(f"| {first.defense} | {setting} | {' '.join(map(str, seeds))} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines

@@ -277,13 +277,13 @@ def test_the_protocol_tables_show_the_clean_budget_and_sensitivity_sweeps_and_th
     text = write_leaderboard(tmp_path).protocols.read_text()
     budget = text.split("## Clean-data budget")[1].split("## Sensitivity")[0]
     assert "| defense | setting | seeds | 1% | 5% | 10% |" in budget
-    assert "| neural_cleanse | anomaly_threshold=2 | 0 | 95.0 / 90.0 | 95.0 / 30.0 | 95.0 / 10.0 |" in budget
+    assert "| neural_cleanse | – | 0 | 95.0 / 90.0 | 95.0 / 30.0 | 95.0 / 10.0 |" in budget
     assert "blended" not in budget
     sensitivity = text.split("## Sensitivity")[1]
     assert "| neural_cleanse | anomaly_threshold | 0 | 1.5: 20.0 / 95.0 · **2**: 10.0 / 95.0 · 2.5: 40.0 / 95.0 | 30.0 |" \
         in sensitivity
     reactivation = text.split("## Reactivation and cost")[1].split("## Clean-data budget")[0]
-    assert ("| neural_cleanse | anomaly_threshold=2, clean_fraction=0.1 | 1 | 95.0 / 10.0 | 80.0 | 50.0 / 1.0 | 99.0 "
+    assert ("| neural_cleanse | – | 1 | 95.0 / 10.0 | 80.0 | 50.0 / 1.0 | 99.0 "
             "| 50.80 | 79 |") in reactivation
 
 
