@@ -7,7 +7,7 @@ of one setting (± the std where there are several); n says how many."""
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Callable
 
 from backdoorbench.leaderboard import Row, _sweep_key, setting_labels, sweep_settings
@@ -97,6 +97,52 @@ def reactivation_tables(rows: list[Row], records: dict[str, RunRecord]) -> list[
                 _pct([(_curve(r, "attacked").get("asr") or [None])[-1] for r in members]),
                 _stat([c.get("passes_per_train_image") for c in cost], 1.0, 2),
                 _stat([c.get("seconds", r.timings_s.get("defense")) for c, r in zip(cost, members)], 1.0, 0)]) + " |")
+        lines.append("")
+    return lines
+
+
+def reactivation_matrix(rows: list[Row], records: dict[str, RunRecord]) -> list[str]:
+    """Defense x attack, per dataset, model and victim training: ASR after the defense -> ASR after
+    the retuning attack, the undefended victim's first; of several settings of one cell, the one
+    with the most seeds (then the newest). What a reader scans for which defenses hold up."""
+    cells: dict[tuple[str, str, str], dict[str, dict[str, tuple[Row, list[RunRecord]]]]] = defaultdict(
+        lambda: defaultdict(dict))
+    for row in rows:
+        if row.table != "defenses":
+            continue
+        members = [records[i] for i in row.run_ids if i in records and _curve(records[i], "defended")]
+        if not members:
+            continue
+        where = (row.dataset, row.model, row.training)
+        column = f"{row.attack} {row.target_mode}"
+        held = cells[where][row.defense].get(column)
+        if held is None or (len(members), row.created_at) > (len(held[1]), held[0].created_at):
+            cells[where][row.defense][column] = (row, members)
+    lines: list[str] = []
+    for (dataset, model, training), by_defense in sorted(cells.items()):
+        columns = sorted({c for by_column in by_defense.values() for c in by_column})
+        lines += [f"### {dataset}, {model}, victims trained {training}: ASR after the defense -> after retuning", "",
+                  "| defense | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+        # the victim each run retuned as its reference: one per seed, the same in every defense's
+        # run but an in-training defense's (it trains its own pair): the reference most runs share
+        victims: dict[str, Counter] = defaultdict(Counter)
+        for by_column in by_defense.values():
+            for column, (_, members) in by_column.items():
+                reference = [(_curve(r, "attacked").get("asr") or [None]) for r in members]
+                victims[column][f"{_pct([c[0] for c in reference])} -> {_pct([c[-1] for c in reference])} "
+                                f"(n={len(members)})"] += 1
+        lines.append("| no defense (victim) | " + " | ".join(
+            victims[c].most_common(1)[0][0] if victims[c] else "–" for c in columns) + " |")
+        for defense, by_column in sorted(by_defense.items()):
+            texts = []
+            for column in columns:
+                if column not in by_column:
+                    texts.append("–")
+                    continue
+                _, members = by_column[column]
+                texts.append(f"{_pct([r.metrics['defended']['asr'] for r in members])} -> "
+                             f"{_pct([_curve(r, 'defended')['asr'][-1] for r in members])} (n={len(members)})")
+            lines.append(f"| {defense} | " + " | ".join(texts) + " |")
         lines.append("")
     return lines
 
@@ -192,7 +238,8 @@ def protocol_markdown(rows: list[Row], records: list[RunRecord]) -> str:
     sections = [
         ("Reactivation and cost", "The retuning attack of Min et al. (NeurIPS 2024) after each defense, and "
          "what the defense cost (passes: images through the model forward plus backward, per training image). "
-         "Runs with `eval.reactivation.enabled=true`.", reactivation_tables(rows, by_id)),
+         "Runs with `eval.reactivation.enabled=true`: first the overview, then each attack in full.",
+         reactivation_matrix(rows, by_id) + reactivation_tables(rows, by_id)),
         ("Clean-data budget", "`python -m backdoorbench --multirun experiment=clean_budget attack=<name>`: each "
          "defense with 0.5% to 10% of the training set as its clean data.", clean_budget_tables(rows)),
         ("Sensitivity", "`python -m backdoorbench --multirun experiment=sensitivity_<defense> attack=<name>`: "

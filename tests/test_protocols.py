@@ -283,6 +283,9 @@ def test_the_protocol_tables_show_the_clean_budget_and_sensitivity_sweeps_and_th
     assert "| neural_cleanse | anomaly_threshold | 0 | 1.5: 20.0 / 95.0 · **2**: 10.0 / 95.0 · 2.5: 40.0 / 95.0 | 30.0 |" \
         in sensitivity
     reactivation = text.split("## Reactivation and cost")[1].split("## Clean-data budget")[0]
+    # the overview: defense x attack, ASR after the defense -> after retuning, the victim's first
+    assert "| defense | badnets all2one(0) |\n|---|---|\n| no defense (victim) | 100.0 -> 99.0 (n=1) |\n" \
+           "| neural_cleanse | 10.0 -> 80.0 (n=1) |" in reactivation
     assert ("| neural_cleanse | – | 1 | 95.0 / 10.0 | 80.0 | 50.0 / 1.0 | 99.0 "
             "| 50.80 | 79 |") in reactivation
 
