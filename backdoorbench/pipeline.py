@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -480,6 +481,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
 
     defended = der = detection = benign = defense_cost = None
     defense_info: dict[str, Any] = {"name": "none"}
+    victim_attack = attack  # the attack as the victim was trained (an in-training defense may retrain its trigger)
     if defense is not None and excluded is not None:  # decided before any defense work: nothing is run
         log.info("defense %s does not apply to %s: %s", defense.name, attack.name, excluded)
         defense_info = {**defense.describe(), "applicable": False, "not_applicable": excluded}
@@ -504,6 +506,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
             build_model=lambda **kwargs: build_model(cfg, data, **kwargs),
             train_victim=train_victim,
         )
+        # an in-training defense retrains the attack's learned trigger (Input-aware, LIRA, WB) with its
+        # model: the reactivation stage retunes the victim with the trigger the victim was trained with
+        if cfg.eval.reactivation.enabled and defense.stage == "in_train":
+            victim_attack = copy.deepcopy(attack)
         with timed(timings, "defense"):
             outcome = run_defense(defense, ctx, attack, data.test)
         defended, detection = outcome.defended, outcome.detection
@@ -530,7 +536,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         with timed(timings, "reactivation"):
             reactivation = run_reactivation(cfg, config, run_id, data, attack, trainer, results_dir, model,
                                             repaired if defended is not None else None,
-                                            defense_info if defense is not None else None)
+                                            defense_info if defense is not None else None, victim_attack)
     timings["total"] = round(time.perf_counter() - started, 4)
 
     record = RunRecord(
@@ -593,9 +599,12 @@ def clean_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Ima
 
 
 def run_reactivation(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack, trainer,
-                     results_dir: Path, victim: Normalized, repaired, defense_info: dict[str, Any] | None) -> dict[str, Any]:
+                     results_dir: Path, victim: Normalized, repaired, defense_info: dict[str, Any] | None,
+                     victim_attack: Attack | None = None) -> dict[str, Any]:
     """The record's `reactivation` block (backdoorbench.metrics.reactivation): RA and QRA on the model
-    the defense returned (on the victim when there is no defense), RA on the victim as the reference."""
+    the defense returned (on the victim when there is no defense), RA on the victim as the reference,
+    with `victim_attack`'s trigger (the attack as the victim was trained, before an in-training
+    defense retrained it; default `attack`)."""
     budget, probe = reactivation_budgets(cfg.eval.reactivation)
     if getattr(attack, "triggerless", False):  # attack=none: there is no trigger to re-learn
         return {"protocol": "skipped", "skipped": "attack=none has no trigger to reactivate"}
@@ -610,7 +619,7 @@ def run_reactivation(cfg: DictConfig, config: dict[str, Any], run_id: str, data:
         log.info("reactivation: %s; measured on the undefended victim only", why)
     block = measure_reactivation(
         subject=subject, subject_is=subject_is, reference=reference, trainer=trainer, attack=attack, train=data.train,
-        test=data.test, budget=budget, probe=probe, generator=stream(cfg.seed, "reactivation"),
+        test=data.test, budget=budget, probe=probe, generator=stream(cfg.seed, "reactivation"), reference_attack=victim_attack,
         clean_model=lambda: clean_victim(cfg, config, run_id, data, attack, trainer, results_dir))
     if subject_is == "attacked" and defense_info is not None:
         block["note"] = why

@@ -232,3 +232,19 @@ def test_the_figure_draws_a_curve_per_defense_and_is_skipped_with_its_command(tm
     curves = _reactivation_curves([Run(r, p) for r, p in load_records_with_paths(tmp_path)])
     assert sorted(curves["mnist5k"]["badnets all2one"]) == ["fine_tuning", "nad", "no defense (victim)"]
     assert sorted(curves["mnist5k"]["badnets all2one"]["no defense (victim)"]) == [0, 1]  # once per seed
+
+
+@pytest.mark.slow  # 30 s: Input-aware trained twice (victim, then with the penalty) on mnist5k
+def test_the_reference_retunes_the_victim_with_its_own_trigger_after_an_in_training_defense(compose_cfg, tmp_path):
+    from backdoorbench.pipeline import run
+
+    # angular_margin retrains Input-aware's generator along with its own model; the victim's
+    # reference curve must start where the victim was measured, with the generator it was trained with
+    cfg = compose_cfg("attack=input_aware", "attack.mask_epochs=1", "trainer.epochs=2", "defense=angular_margin",
+                      "eval.reactivation.enabled=true", "eval.reactivation.epochs=1", "eval.reactivation.probe.enabled=false",
+                      "eval.stealth_images=0", "logger=none", "trainer.progress=false", f"results_dir={tmp_path}")
+    record, _ = run(cfg)
+    block = record.reactivation
+    assert block["attacked"]["asr"][0] == record.metrics["attacked"]["asr"]
+    assert block["defended"]["asr"][0] == record.metrics["defended"]["asr"]
+    assert record.metrics["attacked"]["asr"] != record.metrics["defended"]["asr"]  # two triggers, two models

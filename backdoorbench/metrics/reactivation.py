@@ -271,10 +271,12 @@ def query_reactivation(defended: nn.Module, retuned: nn.Module, clean: nn.Module
 
 def measure_reactivation(*, subject: nn.Module, subject_is: str, reference: nn.Module | None, clean_model, trainer,
                          attack: Attack, train: Split, test: Split, budget: RetuningBudget, probe: ProbeBudget,
-                         generator: torch.Generator) -> dict[str, Any]:
+                         generator: torch.Generator, reference_attack: Attack | None = None) -> dict[str, Any]:
     """The record's `reactivation` block: RA (and QRA when `probe.enabled` and a `clean_model` is
     given, a callable returning it) on `subject` (stored under `subject_is`: "defended" or
-    "attacked"), and RA alone on `reference` (the undefended victim) when given."""
+    "attacked"), and RA alone on `reference` (the undefended victim) when given, with the trigger
+    `reference_attack` holds (default `attack`): an in-training defense retrains a learned trigger
+    along with its model, and the victim's is the one it was trained with."""
     started = time.perf_counter()
     curve, retuned = retune(subject, trainer, attack, train, test, budget, generator)
     log.info("reactivation: %s model's ASR %.2f%% -> %.2f%% after %d retuning steps (%d poisoned of %d samples)",
@@ -290,6 +292,6 @@ def measure_reactivation(*, subject: nn.Module, subject_is: str, reference: nn.M
                  time.perf_counter() - probe_started)
     block[subject_is] = curve
     if reference is not None:
-        block["attacked"], _ = retune(reference, trainer, attack, train, test, budget, generator)
+        block["attacked"], _ = retune(reference, trainer, reference_attack or attack, train, test, budget, generator)
     block["seconds"] = round(time.perf_counter() - started, 4)
     return block
