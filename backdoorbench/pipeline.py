@@ -189,6 +189,18 @@ def _program() -> str:
     return "python -m backdoorbench" if name == "__main__.py" else name
 
 
+def _cpu_model() -> str:
+    """The processor's model name (Linux /proc/cpuinfo; elsewhere platform.processor()), or ""."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import numpy
     import torchvision
@@ -205,6 +217,11 @@ def environment(device: torch.device) -> dict[str, Any]:
         **dict(git_commit()),
         "device": name,
         "torch_threads": torch.get_num_threads(),
+        # the vector ISA torch's CPU kernels use (ATEN_CPU_CAPABILITY can lower it) and the processor:
+        # CPU numbers repeat to the bit on the same ISA; another one rounds differently, and a chaotic
+        # defense (NAD) then moves by points at the same seed (docs/fidelity.md#reproducibility)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": _cpu_model(),
         "world_size": distributed.world_size(),  # processes of a torchrun (DDP) run, else 1
         "platform": platform.platform(),
         "command": " ".join([_program(), *sys.argv[1:]]),

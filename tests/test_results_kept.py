@@ -80,3 +80,20 @@ def test_repeat_must_be_a_positive_integer(tmp_path):
     for bad in (0, "2", True):
         with pytest.raises(RecordError, match="repeat must be an integer >= 1"):
             save_record(make_record(repeat=bad), tmp_path / "r.json")
+
+
+def test_a_record_says_which_cpu_kernels_computed_it():
+    # the same seed repeats to the bit only on the same vector ISA: the record names it, and a run
+    # pinned to AVX2 (ATEN_CPU_CAPABILITY) says so
+    import os
+    import sys
+
+    code = ("import torch; from backdoorbench.pipeline import environment; "
+            "e = environment(torch.device('cpu')); print(e['cpu_capability'], bool(e['cpu']))")
+    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert here.stdout.split() == [torch.backends.cpu.get_cpu_capability(), "True"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+        pinned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                                check=True)
+        assert pinned.stdout.split()[0] == "DEFAULT"
