@@ -675,7 +675,9 @@ def reactivation_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
             ax.set_ylabel("ASR % on the test set")
             ax.set_ylim(-2, 102)
         _shared_legend(fig, list(handles.values()), spare)
-        fig.suptitle(f"ASR recovered by the retuning attack vs steps, {dataset} (mean ± std over seeds)")
+        seeds = sorted({seed for by_name in by_attack.values() for curve in by_name.values() for seed in curve})
+        over = f"seed {seeds[0]}" if len(seeds) == 1 else "mean ± std over seeds"
+        fig.suptitle(f"ASR recovered by the retuning attack vs steps, {dataset} ({over})")
         written += save_figure(fig, out, f"{dataset}_10_reactivation{suffix}")
     return written
 

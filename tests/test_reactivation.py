@@ -234,6 +234,21 @@ def test_the_figure_draws_a_curve_per_defense_and_is_skipped_with_its_command(tm
     assert sorted(curves["mnist5k"]["badnets all2one"]["no defense (victim)"]) == [0, 1]  # once per seed
 
 
+def test_the_figure_title_says_seed_0_when_only_seed_0_ran(tmp_path, monkeypatch):
+    from backdoorbench import figures
+    from backdoorbench.leaderboard import load_records_with_paths
+    from backdoorbench.records import save_record
+
+    folder = tmp_path / "runs" / "mnist5k" / "badnets_all2one"
+    titles = []
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out, name: titles.append(fig._suptitle.get_text()) or [])
+    save_record(reactivated([0.0, 0.5, 0.9], [1.0, 1.0, 1.0], run_id="a", seed=0), folder / "a.json")
+    figures.reactivation_curves([figures.Run(r, p) for r, p in load_records_with_paths(tmp_path)], tmp_path)
+    save_record(reactivated([0.0, 0.4, 0.8], [1.0, 1.0, 1.0], run_id="b", seed=1), folder / "b.json")
+    figures.reactivation_curves([figures.Run(r, p) for r, p in load_records_with_paths(tmp_path)], tmp_path)
+    assert titles[0].endswith("mnist5k (seed 0)") and titles[1].endswith("(mean ± std over seeds)")
+
+
 @pytest.mark.slow  # 30 s: Input-aware trained twice (victim, then with the penalty) on mnist5k
 def test_the_reference_retunes_the_victim_with_its_own_trigger_after_an_in_training_defense(compose_cfg, tmp_path):
     from backdoorbench.pipeline import run
