@@ -982,4 +982,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's module, not this __main__ copy: protocol_tables imports backdoorbench.leaderboard,
+    # and its classes (NotApplicable, Cell) must be the ones the rows are built with
+    from backdoorbench.leaderboard import main as package_main
+
+    sys.exit(package_main())

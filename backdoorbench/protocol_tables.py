@@ -10,7 +10,7 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any, Callable
 
-from backdoorbench.leaderboard import Row, _sweep_key, setting_labels, sweep_settings
+from backdoorbench.leaderboard import NOT_APPLICABLE, NotApplicable, Row, _sweep_key, setting_labels, sweep_settings
 from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES, CLEAN_BUDGET_KEY, SENSITIVITY, defense_defaults
 from backdoorbench.records import RunRecord
 
@@ -118,6 +118,10 @@ def reactivation_matrix(rows: list[Row], records: dict[str, RunRecord]) -> list[
         held = cells[where][row.defense].get(column)
         if held is None or (len(members), row.created_at) > (len(held[1]), held[0].created_at):
             cells[where][row.defense][column] = (row, members)
+    # a pairing the defense's threat model excludes (ABL, spectral, AC vs attacks that poison in their own
+    # training step) shows as n/a, as in the leaderboard, not as a run still to make
+    excluded = {(row.dataset, row.model, row.training, row.defense, f"{row.attack} {row.target_mode}") for row in rows
+                if row.table == "defenses" and isinstance(row.cells.get("asr_after"), NotApplicable)}
     lines: list[str] = []
     for (dataset, model, training), by_defense in sorted(cells.items()):
         columns = sorted({c for by_column in by_defense.values() for c in by_column})
@@ -128,16 +132,18 @@ def reactivation_matrix(rows: list[Row], records: dict[str, RunRecord]) -> list[
         victims: dict[str, Counter] = defaultdict(Counter)
         for by_column in by_defense.values():
             for column, (_, members) in by_column.items():
-                reference = [(_curve(r, "attacked").get("asr") or [None]) for r in members]
+                reference = [_curve(r, "attacked")["asr"] for r in members if _curve(r, "attacked")]
+                if not reference:
+                    continue
                 victims[column][f"{_pct([c[0] for c in reference])} -> {_pct([c[-1] for c in reference])} "
-                                f"(n={len(members)})"] += 1
+                                f"(n={len(reference)})"] += 1
         lines.append("| no defense (victim) | " + " | ".join(
             victims[c].most_common(1)[0][0] if victims[c] else "–" for c in columns) + " |")
         for defense, by_column in sorted(by_defense.items()):
             texts = []
             for column in columns:
                 if column not in by_column:
-                    texts.append("–")
+                    texts.append(NOT_APPLICABLE if (dataset, model, training, defense, column) in excluded else "–")
                     continue
                 _, members = by_column[column]
                 texts.append(f"{_pct([r.metrics['defended']['asr'] for r in members])} -> "

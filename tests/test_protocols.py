@@ -290,6 +290,34 @@ def test_the_protocol_tables_show_the_clean_budget_and_sensitivity_sweeps_and_th
             "| 50.80 | 79 |") in reactivation
 
 
+def test_the_command_marks_a_pairing_the_threat_model_excludes_n_a_in_the_reactivation_overview(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    runs = tmp_path / "runs"
+    curve = {"steps": [0, 5], "ca": [0.95, 0.96], "asr": [0.1, 0.8]}
+    abl = {"_target_": "backdoorbench.defenses.abl.ABL"}
+    save_defense_run(runs, "r", defense="abl", cfg={**nc_config(), "defense": abl},
+                     reactivation={"defended": curve, "attacked": curve})
+    save_defense_run(runs, "w", defense="abl", attack="wanet", cfg={**nc_config("wanet"), "defense": abl})
+    path = runs / "mnist5k" / "wanet_all2one" / "w.json"
+    data = json.loads(path.read_text())
+    data["defense"].update(applicable=False, not_applicable="ABL reads the poisoned training set")
+    data["metrics"]["defended"] = data["metrics"]["der"] = None
+    path.write_text(json.dumps(data))
+    save_defense_run(runs, "n", attack="wanet", cfg=nc_config("wanet"), reactivation={"defended": curve})
+    # as a user runs it: the module is __main__ there, and protocol_tables must see the same classes
+    proc = subprocess.run([sys.executable, "-m", "backdoorbench.leaderboard", f"results_dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "leaderboard" / "protocols.md").read_text()
+    assert "| defense | badnets all2one(0) | wanet all2one(0) |" in text
+    assert "| no defense (victim) | 10.0 -> 80.0 (n=1) | – |" in text  # WaNet's run retuned no reference
+    assert "| abl | 10.0 -> 80.0 (n=1) | n/a |" in text and "| neural_cleanse | – | 10.0 -> 80.0 (n=1) |" in text
+
+
 def test_old_records_without_cost_read_the_defense_time_and_stay_valid(tmp_path):
     from backdoorbench.leaderboard import write_leaderboard
     from backdoorbench.records import load_record
