@@ -163,7 +163,7 @@ def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]]) -> dict[str, 
     """heading -> [(a row of the sweep, its seeds, {setting: row})] for each sweep of MIN_SETTINGS or more."""
     by_key: dict[tuple[str, ...], list[Row]] = defaultdict(list)
     for row in rows:
-        if row.table == "defenses" and row.defense in defenses and row.cells.get("asr_after") is not None:
+        if row.table == "defenses" and row.defense in defenses and hasattr(row.cells.get("asr_after"), "mean"):
             keys = tuple(f"defense.{k}" for k in defenses[row.defense])
             by_key[(row.defense, *_sweep_key(row, keys))].append(row)
     found: dict[str, list[tuple[Row, tuple, dict]]] = defaultdict(list)
