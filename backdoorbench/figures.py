@@ -604,7 +604,9 @@ def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10
 
 
 def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
-    """Figure 9 (issue 18, protocol 4): how a defense's result depends on the clean data it holds."""
+    """Figure 9 (issue 18, protocol 4): how a defense's result depends on the clean data it holds.
+    One panel per defense (and victim training and defense budget), one colour per attack: ASR
+    after the defense solid, CA after dashed, mean ± std over seeds, on a log axis of the budget."""
     def budget(run: Run) -> float:
         return float(run.record.defense["clean_fraction"])
 
@@ -614,15 +616,49 @@ def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
             return None
         return run.dataset, defense["name"], run.record.attack["name"], run.record.attack["target_mode"]
 
-    panels = _sweep_panels(runs, "defense.clean_fraction", key, budget, lambda k: f"{k[1]} vs {k[2]} {k[3]}")
+    series = _sweep_panels(runs, "defense.clean_fraction", key, budget, lambda k: f"{k[2]} {k[3]}")
     written = []
-    for dataset, chosen in sorted(panels.items()):
-        fig, axes, spare = _panels(len(chosen))
-        for ax, (title, members) in zip(axes, chosen):
-            _sweep_curves(ax, members, budget, "defended", ("CA after", "ASR after"), "defense.clean_fraction (log scale)")
-            ax.set_title(title, fontsize=9)
-        _shared_legend(fig, axes[0], spare)
-        fig.suptitle(f"CA and ASR after the defense vs its clean-data budget, {dataset} (mean ± std over seeds)")
+    for dataset, chosen in sorted(series.items()):
+        panels: dict[tuple[str, str], list[tuple[str, list[Run]]]] = defaultdict(list)
+        for title, members in chosen:
+            config = members[0].record.config
+            cut = (config.get("defense") or {}).get("budget")
+            name = members[0].record.defense["name"] + (f" (budget={cut})" if cut not in (None, "official") else "")
+            attack, _, setting = title.partition("\n")
+            setting = setting.partition("; ")[2]  # the training is the panel's; other differences stay
+            panels[(name, _training(config))].append((f"{attack}, {setting}" if setting else attack, members))
+        labels = sorted({label for entries in panels.values() for label, _ in entries})
+        colours = {label: _distinct_colour(i) for i, label in enumerate(labels)}
+        fig, axes, spare = _panels(len(panels), width=4.0, height=3.2)
+        fractions: set[float] = set()
+        seeds: set[int] = set()
+        for ax, ((name, training), entries) in zip(axes, sorted(panels.items())):
+            for label, members in sorted(entries):
+                by_value: dict[float, list[RunRecord]] = defaultdict(list)
+                for m in members:
+                    by_value[budget(m)].append(m.record)
+                    seeds.add(m.record.seed)
+                xs = sorted(by_value)
+                fractions.update(xs)
+                for metric, style, alpha in (("asr", "o-", 1.0), ("clean_acc", "s--", 0.5)):
+                    stats = [_mean_std([r.metrics["defended"][metric] for r in by_value[x]]) for x in xs]
+                    ax.errorbar(xs, [100 * mean for mean, _ in stats], yerr=[100 * std for _, std in stats], fmt=style,
+                                color=colours[label], alpha=alpha, capsize=3, markersize=4,
+                                label=f"{label}: {'ASR' if metric == 'asr' else 'CA'} after")
+            ax.set_xscale("log")
+            ax.set_xticks(sorted({x for _, members in entries for x in map(budget, members)}),
+                          [f"{100 * x:g}%" for x in sorted({x for _, members in entries for x in map(budget, members)})])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_title(f"{name}\n{training}", fontsize=9)
+            ax.set_xlabel("defense.clean_fraction (log scale)")
+            ax.set_ylabel("% on the test set")
+            ax.set_ylim(-2, 102)
+        handles = [Line2D([], [], color=colours[label], marker="o", label=label) for label in labels]
+        handles += [Line2D([], [], color="grey", marker="o", label="solid: ASR after"),
+                    Line2D([], [], color="grey", marker="s", linestyle="--", alpha=0.5, label="dashed: CA after")]
+        _shared_legend(fig, handles, spare)
+        over = f"seed {min(seeds)}" if len(seeds) == 1 else "mean ± std over seeds"
+        fig.suptitle(f"CA and ASR after the defense vs its clean-data budget, {dataset} ({over})")
         written += save_figure(fig, out, f"{dataset}_9_clean_budget{suffix}")
     return written
 

@@ -359,8 +359,9 @@ def test_clean_budget_figure_draws_ca_and_asr_after_per_defense_on_a_log_axis(tm
     panels = [ax for ax in fig.axes if ax.get_visible() and ax.lines]
     assert len(panels) == 2 and all(ax.get_xscale() == "log" for ax in panels)
     assert [t.get_text() for t in panels[0].get_xticklabels()] == ["0.5%", "1%", "5%"]
-    assert panels[0].get_title().startswith("fine_tuning vs badnets all2one")
-    asr = next(c for c in panels[0].containers if c.get_label() == "ASR after")
+    assert panels[0].get_title().startswith("fine_tuning\n")  # a panel per defense, a colour per attack
+    assert fig._suptitle.get_text().endswith("(mean ± std over seeds)")
+    asr = next(c for c in panels[0].containers if c.get_label() == "badnets all2one: ASR after")
     expected = [100 * (0.5 - 4 * f + 0.05) for f in (0.005, 0.01, 0.05)]  # the mean of the two seeds
     assert list(asr.lines[0].get_ydata()) == pytest.approx(expected)
 
