@@ -236,7 +236,9 @@ def _frozen_default(value: Any) -> Any:
 
 
 def _sort_key(setting: tuple) -> tuple:
-    return tuple((0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)) for v in setting)
+    """Numbers and lists of numbers (NAD's betas) by value, anything else by its text."""
+    return tuple((0, v if isinstance(v, tuple) else (v,), "") if isinstance(v, (int, float, tuple)) else (1, (), str(v))
+                 for v in setting)
 
 
 def protocol_markdown(rows: list[Row], records: list[RunRecord]) -> str:

@@ -481,3 +481,12 @@ def test_a_sensitivity_multirun_gives_the_default_row_its_spread(tmp_path):
     assert float(default["asr_spread_mean"]) == pytest.approx(max(asr) - min(asr))
     # CLP is data-free: its only pass is the one zero image it traces the data flow with
     assert all(float(r["cost_s_mean"]) >= 0 and float(r["passes_per_img_mean"]) == 1 / 4000 for r in rows)
+
+
+def test_the_sensitivity_table_orders_list_values_by_number():
+    from backdoorbench.protocol_tables import _sort_key
+
+    settings = [((1000.0, 2000.0),), ((125.0, 250.0),), ((500.0, 1000.0),)]  # as text, "1000" sorts first
+    assert sorted(settings, key=_sort_key) == [((125.0, 250.0),), ((500.0, 1000.0),), ((1000.0, 2000.0),)]
+    assert sorted([("smaller",), ("relative_size",)], key=_sort_key) == [("relative_size",), ("smaller",)]
+    assert sorted([(10.0,), (2.5,)], key=_sort_key) == [(2.5,), (10.0,)]
