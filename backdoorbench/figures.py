@@ -637,7 +637,11 @@ def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
                 by_value: dict[float, list[RunRecord]] = defaultdict(list)
                 for m in members:
                     by_value[budget(m)].append(m.record)
-                    seeds.add(m.record.seed)
+                # like with like: the seeds every budget of the series ran (a budget that is also the
+                # defense table's setting has its three seeds; the sweep, seed 0)
+                common = set.intersection(*({r.seed for r in records} for records in by_value.values()))
+                by_value = {x: [r for r in records if r.seed in common] for x, records in by_value.items()}
+                seeds.update(common)
                 xs = sorted(by_value)
                 fractions.update(xs)
                 for metric, style, alpha in (("asr", "o-", 1.0), ("clean_acc", "s--", 0.5)):
