@@ -630,7 +630,6 @@ def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
         labels = sorted({label for entries in panels.values() for label, _ in entries})
         colours = {label: _distinct_colour(i) for i, label in enumerate(labels)}
         fig, axes, spare = _panels(len(panels), width=4.0, height=3.2)
-        fractions: set[float] = set()
         seeds: set[int] = set()
         for ax, ((name, training), entries) in zip(axes, sorted(panels.items())):
             for label, members in sorted(entries):
@@ -643,15 +642,14 @@ def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
                 by_value = {x: [r for r in records if r.seed in common] for x, records in by_value.items()}
                 seeds.update(common)
                 xs = sorted(by_value)
-                fractions.update(xs)
                 for metric, style, alpha in (("asr", "o-", 1.0), ("clean_acc", "s--", 0.5)):
                     stats = [_mean_std([r.metrics["defended"][metric] for r in by_value[x]]) for x in xs]
                     ax.errorbar(xs, [100 * mean for mean, _ in stats], yerr=[100 * std for _, std in stats], fmt=style,
                                 color=colours[label], alpha=alpha, capsize=3, markersize=4,
                                 label=f"{label}: {'ASR' if metric == 'asr' else 'CA'} after")
+            ticks = sorted({budget(m) for _, members in entries for m in members})
             ax.set_xscale("log")
-            ax.set_xticks(sorted({x for _, members in entries for x in map(budget, members)}),
-                          [f"{100 * x:g}%" for x in sorted({x for _, members in entries for x in map(budget, members)})])
+            ax.set_xticks(ticks, [f"{100 * x:g}%" for x in ticks])
             ax.xaxis.set_minor_locator(NullLocator())
             ax.set_title(f"{name}\n{training}", fontsize=9)
             ax.set_xlabel("defense.clean_fraction (log scale)")

@@ -472,6 +472,11 @@ def _frozen(value: Any) -> Any:
     return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
+def setting_value(text: str) -> Any:
+    """A flattened config value (JSON text) as a sweep's setting: numbers as floats, lists as tuples."""
+    return _frozen(json.loads(_number_text(text)))
+
+
 def sweep_settings(members: list[Row], keys: tuple[str, ...]) -> tuple[tuple[int, ...], dict[tuple, Row]]:
     """Of rows that differ only in the dotted config `keys` (and the seeds), one row per setting,
     all of one seed set: the set that covers the most settings, then the most seeds; the newest row
@@ -479,7 +484,7 @@ def sweep_settings(members: list[Row], keys: tuple[str, ...]) -> tuple[tuple[int
     by_seeds: dict[tuple[int, ...], dict[tuple, Row]] = defaultdict(dict)
     for row in sorted(members, key=lambda r: r.created_at, reverse=True):
         flat = _flatten(row.config)
-        setting = tuple(_frozen(json.loads(_number_text(flat[k]))) if k in flat else None for k in keys)
+        setting = tuple(setting_value(flat[k]) if k in flat else None for k in keys)
         by_seeds[tuple(sorted(row.seeds))].setdefault(setting, row)
     if not by_seeds:
         return (), {}
@@ -567,8 +572,10 @@ def mark_canonical(rows: list[Row]) -> None:
     compared = {_training_key(r) for r in rows if r.canonical and r.table == "attacks"}
     controls: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for row in rows:
-        if row.table == "attacks" and row.attack == CLEAN_ATTACK and _training_key(row) in compared:
-            controls[_training_key(row)].append(row)
+        if row.table == "attacks" and row.attack == CLEAN_ATTACK:
+            training = _training_key(row)
+            if training in compared:
+                controls[training].append(row)
     for members in controls.values():  # one per training: records of two schemas trained the same way
         max(members, key=lambda r: (r.n, r.created_at, r.group_id)).canonical = True
 

@@ -6,11 +6,13 @@ of one setting (± the std where there are several); n says how many."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import Counter, defaultdict
 from typing import Any, Callable
 
-from backdoorbench.leaderboard import NOT_APPLICABLE, NotApplicable, Row, _sweep_key, setting_labels, sweep_settings
+from backdoorbench.leaderboard import (NOT_APPLICABLE, NotApplicable, Row, _sweep_key, setting_labels, setting_value,
+                                       sweep_settings)
 from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES, CLEAN_BUDGET_KEY, SENSITIVITY, defense_defaults
 from backdoorbench.records import RunRecord
 
@@ -65,15 +67,22 @@ def _heading(row: Row) -> str:
     return f"{row.dataset}, {row.model}: {row.attack} {row.target_mode}, victim trained {row.training}"
 
 
+def _reactivation_runs(rows: list[Row], records: dict[str, RunRecord]) -> list[tuple[Row, list[RunRecord]]]:
+    """(row, its records that measured the retuning attack on a defended model) for each defense row with any."""
+    found = []
+    for row in rows:
+        if row.table == "defenses":
+            members = [records[i] for i in row.run_ids if i in records and _curve(records[i], "defended")]
+            if members:
+                found.append((row, members))
+    return found
+
+
 def reactivation_tables(rows: list[Row], records: dict[str, RunRecord]) -> list[str]:
     """One table per attack setting: each defense row whose own runs measured the retuning attack."""
     groups: dict[str, list[tuple[Row, list[RunRecord]]]] = defaultdict(list)
-    for row in rows:
-        if row.table != "defenses":
-            continue
-        members = [records[i] for i in row.run_ids if i in records and _curve(records[i], "defended")]
-        if members:
-            groups[_heading(row)].append((row, members))
+    for row, members in _reactivation_runs(rows, records):
+        groups[_heading(row)].append((row, members))
     lines: list[str] = []
     for heading, entries in sorted(groups.items()):
         labels = _labels([row for row, _ in entries])
@@ -107,12 +116,7 @@ def reactivation_matrix(rows: list[Row], records: dict[str, RunRecord]) -> list[
     with the most seeds (then the newest). What a reader scans for which defenses hold up."""
     cells: dict[tuple[str, str, str], dict[str, dict[str, tuple[Row, list[RunRecord]]]]] = defaultdict(
         lambda: defaultdict(dict))
-    for row in rows:
-        if row.table != "defenses":
-            continue
-        members = [records[i] for i in row.run_ids if i in records and _curve(records[i], "defended")]
-        if not members:
-            continue
+    for row, members in _reactivation_runs(rows, records):
         where = (row.dataset, row.model, row.training)
         column = f"{row.attack} {row.target_mode}"
         held = cells[where][row.defense].get(column)
@@ -215,7 +219,7 @@ def sensitivity_tables(rows: list[Row]) -> list[str]:
         for first, seeds, chosen in sorted(entries, key=lambda e: e[0].defense):
             keys = SENSITIVITY[first.defense]
             defaults = defense_defaults(first.defense)
-            default = tuple(_frozen_default(defaults.get(k)) for k in keys)
+            default = tuple(setting_value(json.dumps(defaults.get(k))) for k in keys)
             parts, asr = [], []
             for setting in sorted(chosen, key=_sort_key):
                 row = chosen[setting]
@@ -227,12 +231,6 @@ def sensitivity_tables(rows: list[Row]) -> list[str]:
                          f"{100 * (max(asr) - min(asr)):.1f} |")
         lines.append("")
     return lines
-
-
-def _frozen_default(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_frozen_default(v) for v in value)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def _sort_key(setting: tuple) -> tuple:
