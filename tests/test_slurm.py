@@ -131,23 +131,31 @@ def test_a_job_failing_with_a_user_error_says_so_in_one_line_and_the_others_fini
 # Slurm checks time limits every 30 s (slurmctld's PERIODIC_TIMEOUT) and sends the warning signal
 # up to 30 s early: with a 1-minute limit and USR2 10 s before it, submitit's handler is signalled
 # 20 to 50 s into a run (Slurm would kill it 60 to 90 s in). The victim's training is sized to take
-# RESUME_TRAIN_S on this machine as loaded now (measured by a 2-epoch run), so that every run is
-# signalled at least once, however fast the machine, while the requeues stay few, however slow.
-# 120 s, not 70: the 2-epoch estimate includes the first epoch's warm-up, and at 70 s a WaNet job
-# once finished its whole training (36 s of it, 0.8 s an epoch) before its signal came.
+# RESUME_TRAIN_S on this machine as loaded now, so that every run is signalled at least once, however
+# fast the machine, while the requeues stay few, however slow. The epoch time is that of the epochs
+# after the first of a 4-epoch run: a 2-epoch run's total counted the first epoch's warm-up (2 s of
+# 2.5 s in one CI run), sized a WaNet job to 38 s of training instead of 120 s, and that job finished
+# its training before its signal came (nothing left to resume; CI of 2026-12-02).
 RESUME_TRAIN_S = 120
 SETTING = ("dataset.test_per_class=400", *QUIET)  # 1,000 training images
 TIME_LIMIT = ("hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=10", "hydra.launcher.max_num_timeout=20")
+EPOCH_LINE = re.compile(r"victim epoch (\d+)/\d+: .*, (\d+\.\d) s$", re.MULTILINE)
+
+
+def steady_epoch_s(log: str) -> float:
+    """The mean time of the epochs after the first in a training log (the first pays the warm-up)."""
+    times = [float(seconds) for epoch, seconds in EPOCH_LINE.findall(log) if int(epoch) > 1]
+    assert times, f"no epoch after the first in the log:\n{log[-3000:]}"
+    return max(sum(times) / len(times), 0.05)  # the log rounds to 0.1 s
 
 
 def epochs_lasting(seconds: float, attack: str, results_dir: Path) -> int:
-    """How many epochs of SETTING train in about `seconds` here and now, from a 2-epoch run."""
+    """How many epochs of SETTING train in about `seconds` here and now, from a 4-epoch run's later epochs."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "backdoorbench", f"attack={attack}", "trainer.epochs=2", *SETTING,
+    proc = subprocess.run([sys.executable, "-m", "backdoorbench", f"attack={attack}", "trainer.epochs=4", *SETTING,
                            f"results_dir={results_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [record] = [load_record(path) for path in records_under(results_dir)]
-    return max(10, math.ceil(seconds / (record.timings_s["train"] / 2)))
+    return max(10, math.ceil(seconds / steady_epoch_s(proc.stdout + proc.stderr)))
 
 
 def resumes(attack: str) -> bool:
