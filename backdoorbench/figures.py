@@ -40,7 +40,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 
@@ -271,11 +271,18 @@ def trigger_gallery(runs: list[Run], out: Path, residual_scale: float = 10.0, su
     return written
 
 
-def _sweep_panels(runs: list[Run], swept: str, key_of: Callable[[Run], tuple | None], value_of: Callable[[Run], float],
-                  title_of: Callable[[tuple], str]) -> dict[str, list[tuple[str, list[Run]]]]:
-    """dataset -> panels (title, the runs of one setting that differ only in the config key `swept`
-    and the seed), for each series `key_of` names (None: the run is left out; the key's first item is
-    the dataset) that holds at least two values of `swept`."""
+class SweepPanel(NamedTuple):
+    """The runs of one setting that differ only in a swept config key and the seed."""
+    key: tuple  # the series `key_of` named; its first item is the dataset
+    training: str  # the victim's training, as _training writes it
+    setting: str  # how this setting differs from the others of its series ("" when it is the only one)
+    members: list[Run]
+
+
+def _sweep_panels(runs: list[Run], swept: str, key_of: Callable[[Run], tuple | None],
+                  value_of: Callable[[Run], float]) -> dict[str, list[SweepPanel]]:
+    """dataset -> panels, for each series `key_of` names (None: the run is left out) and each setting
+    of it that holds at least two values of `swept`."""
     from backdoorbench.pipeline import config_hash
 
     drop = NON_RESULT_KEYS + ("seed", swept)
@@ -285,14 +292,13 @@ def _sweep_panels(runs: list[Run], swept: str, key_of: Callable[[Run], tuple | N
         if key is not None:
             series[key][config_hash(run.record.config, drop)].append(run)
     short = swept.rsplit(".", 1)[-1] + "="
-    panels: dict[str, list[tuple[str, list[Run]]]] = defaultdict(list)
+    panels: dict[str, list[SweepPanel]] = defaultdict(list)
     for key, by_setting in sorted(series.items()):
         kept = [members for _, members in sorted(by_setting.items()) if len({value_of(m) for m in members}) >= 2]
         labels = setting_labels([members[0].record.config for members in kept])
         for members, label in zip(kept, labels):
             label = ", ".join(part for part in label.split(", ") if not part.startswith(short))
-            title = f"{title_of(key)}\n{_training(members[0].record.config)}" + (f"; {label}" if label else "")
-            panels[key[0]].append((title, members))
+            panels[key[0]].append(SweepPanel(key, _training(members[0].record.config), label, members))
     return panels
 
 
@@ -329,12 +335,13 @@ def poison_rate_curves(runs: list[Run], out: Path, residual_scale: float = 10.0,
             return None
         return run.dataset, run.record.attack["name"], run.record.attack["target_mode"]
 
-    panels = _sweep_panels(runs, "attack.poison_rate", key, rate, lambda k: f"{k[1]} {k[2]}")
+    panels = _sweep_panels(runs, "attack.poison_rate", key, rate)
     written = []
     for dataset, chosen in sorted(panels.items()):
         fig, axes, spare = _panels(len(chosen))
-        for ax, (title, members) in zip(axes, chosen):
-            _sweep_curves(ax, members, rate, "attacked", ("CA", "ASR"), "poison rate (log scale)")
+        for ax, panel in zip(axes, chosen):
+            _sweep_curves(ax, panel.members, rate, "attacked", ("CA", "ASR"), "poison rate (log scale)")
+            title = f"{panel.key[1]} {panel.key[2]}\n{panel.training}" + (f"; {panel.setting}" if panel.setting else "")
             ax.set_title(title, fontsize=9)
         _shared_legend(fig, axes[0], spare)
         fig.suptitle(f"CA and ASR vs poison rate, {dataset} (mean ± std over seeds)")
@@ -616,17 +623,16 @@ def clean_budget_curves(runs: list[Run], out: Path, residual_scale: float = 10.0
             return None
         return run.dataset, defense["name"], run.record.attack["name"], run.record.attack["target_mode"]
 
-    series = _sweep_panels(runs, "defense.clean_fraction", key, budget, lambda k: f"{k[2]} {k[3]}")
+    series = _sweep_panels(runs, "defense.clean_fraction", key, budget)
     written = []
     for dataset, chosen in sorted(series.items()):
         panels: dict[tuple[str, str], list[tuple[str, list[Run]]]] = defaultdict(list)
-        for title, members in chosen:
-            config = members[0].record.config
-            cut = (config.get("defense") or {}).get("budget")
-            name = members[0].record.defense["name"] + (f" (budget={cut})" if cut not in (None, "official") else "")
-            attack, _, setting = title.partition("\n")
-            setting = setting.partition("; ")[2]  # the training is the panel's; other differences stay
-            panels[(name, _training(config))].append((f"{attack}, {setting}" if setting else attack, members))
+        for panel in chosen:
+            cut = (panel.members[0].record.config.get("defense") or {}).get("budget")
+            name = panel.key[1] + (f" (budget={cut})" if cut not in (None, "official") else "")
+            attack = f"{panel.key[2]} {panel.key[3]}"  # a colour; the training is the panel's
+            panels[(name, panel.training)].append((f"{attack}, {panel.setting}" if panel.setting else attack,
+                                                   panel.members))
         labels = sorted({label for entries in panels.values() for label, _ in entries})
         colours = {label: _distinct_colour(i) for i, label in enumerate(labels)}
         fig, axes, spare = _panels(len(panels), width=4.0, height=3.2)
