@@ -290,6 +290,30 @@ def test_the_protocol_tables_show_the_clean_budget_and_sensitivity_sweeps_and_th
             "| 50.80 | 79 |") in reactivation
 
 
+def test_the_reactivation_overview_averages_the_seeds_and_prefers_the_setting_run_with_most_seeds(tmp_path):
+    from backdoorbench.leaderboard import write_leaderboard
+
+    runs = tmp_path / "runs"
+    reactivated = nc_config()
+    reactivated["eval"] = {"reactivation": {"enabled": True}}
+    for seed, (after, retuned, victim) in enumerate(((0.1, 0.2, 0.9), (0.3, 0.6, 0.7), (0.2, 0.4, 0.8))):
+        curve = {"steps": [0, 5], "ca": [0.95, 0.96], "asr": [after, retuned]}
+        save_defense_run(runs, f"r{seed}", seed=seed, asr_after=after, cfg=reactivated,
+                         reactivation={"defended": curve, "attacked": {**curve, "asr": [1.0, victim]}})
+    # another setting of the same cell, newer but one seed: the overview keeps the three seeds
+    other = nc_config(threshold=3.0)
+    other["eval"] = {"reactivation": {"enabled": True}}
+    curve = {"steps": [0, 5], "ca": [0.95, 0.96], "asr": [0.9, 0.95]}
+    save_defense_run(runs, "late", asr_after=0.9, cfg=other, reactivation={"defended": curve, "attacked": curve})
+    text = write_leaderboard(tmp_path).protocols.read_text()
+    overview = text.split("## Reactivation and cost")[1].split("\n### ")[1]
+    assert "| neural_cleanse | 20.0 ± 10.0 -> 40.0 ± 20.0 (n=3) |" in overview, overview
+    # the victim's reference most runs share: the three seeds' (1.0 each: no ±)
+    assert "| no defense (victim) | 100.0 -> 80.0 ± 10.0 (n=3) |" in overview, overview
+    # the per-attack table still lists both settings
+    assert text.count("| neural_cleanse | anomaly_threshold=") == 2, text
+
+
 def test_the_command_marks_a_pairing_the_threat_model_excludes_n_a_in_the_reactivation_overview(tmp_path):
     import subprocess
     import sys
