@@ -6,13 +6,14 @@ of one setting (± the std where there are several); n says how many."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections import Counter, defaultdict
 from typing import Any, Callable
 
-from backdoorbench.leaderboard import (NOT_APPLICABLE, NotApplicable, Row, _sweep_key, setting_labels, setting_value,
-                                       sweep_settings)
+from backdoorbench.leaderboard import (NOT_APPLICABLE, Cell, NotApplicable, Row, _flatten, _sweep_key, setting_labels,
+                                       setting_value, sweep_settings)
 from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES, CLEAN_BUDGET_KEY, SENSITIVITY, defense_defaults
 from backdoorbench.records import RunRecord
 
@@ -163,8 +164,59 @@ def _value_text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]]) -> dict[str, list[tuple[Row, tuple, dict]]]:
-    """heading -> [(a row of the sweep, its seeds, {setting: row})] for each sweep of MIN_SETTINGS or more."""
+def _restricted(row: Row, seeds: tuple[int, ...], records: dict[str, RunRecord]) -> Row | None:
+    """`row` as if it had run only `seeds` (a subset of its own): its CA and ASR after recomputed from
+    its records of those seeds; None when a record is missing or has no defended model."""
+    members = [records.get(run_id) for run_id in row.run_ids]
+    kept = [r for r in members if r is not None and r.seed in seeds]
+    if len(kept) != len(seeds) or any((r.metrics.get("defended") or None) is None for r in kept):
+        return None
+    cells = {}
+    for key, metric in (("ca_after", "clean_acc"), ("asr_after", "asr")):
+        values = [float(r.metrics["defended"][metric]) for r in kept]
+        cells[key] = Cell(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
+    return dataclasses.replace(row, seeds=sorted(seeds), cells={**row.cells, **cells},
+                               run_ids=[r.run_id for r in kept])
+
+
+def _kernels(rows: list[Row], seeds: tuple[int, ...], records: dict[str, RunRecord]) -> set[str]:
+    """The CPU kernels (`env.cpu_capability`) that the records of `rows` for `seeds` name; older records name none."""
+    return {kernel for row in rows for run_id in row.run_ids if (r := records.get(run_id)) is not None
+            and r.seed in seeds and (kernel := (r.env or {}).get("cpu_capability"))}
+
+
+def _like_with_like(chosen: dict[tuple, Row], seeds: tuple[int, ...], members: list[Row], keys: tuple[str, ...],
+                    records: dict[str, RunRecord]) -> None:
+    """Make each setting of a sweep's seed set the run closest to the sweep's own: of the rows that ran
+    those seeds (or those and more, then restricted to them), one whose records name the kernels the
+    sweep's name, then one naming none (made before records named them), the newest first; a row naming
+    other kernels is never taken (docs/fidelity.md#reproducibility). So a sweep run at seed 0 beside a
+    3-seed row at its default gets the default's seed-0 run, made like the sweep."""
+    sweep_kernels = _kernels(list(chosen.values()), seeds, records)
+    candidates: dict[tuple, list[tuple[tuple[bool, str], Row]]] = defaultdict(list)
+    for row in members:
+        if not set(seeds) <= set(row.seeds):
+            continue
+        flat = _flatten(row.config)
+        setting = tuple(setting_value(flat[k]) if k in flat else None for k in keys)
+        kernels = _kernels([row], seeds, records)
+        if kernels and sweep_kernels and kernels != sweep_kernels:
+            continue
+        candidates[setting].append(((bool(kernels), row.created_at), row))
+    for setting, ranked in candidates.items():
+        for _, row in sorted(ranked, key=lambda item: item[0], reverse=True):
+            narrowed = row if sorted(row.seeds) == sorted(seeds) else _restricted(row, seeds, records)
+            if narrowed is not None:
+                chosen[setting] = narrowed
+                break
+
+
+def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]],
+            records: dict[str, RunRecord] | None = None) -> dict[str, list[tuple[Row, tuple, dict]]]:
+    """heading -> [(a row of the sweep, its seeds, {setting: row})] for each sweep of MIN_SETTINGS or more.
+    A sweep compares one seed set (leaderboard.sweep_settings); a setting missing from it is taken
+    from a row that ran those seeds and more, restricted to them (a sweep run at seed 0 beside a
+    3-seed row at its default: the default's seed-0 run, not the 3-seed mean)."""
     by_key: dict[tuple[str, ...], list[Row]] = defaultdict(list)
     for row in rows:
         if row.table == "defenses" and row.defense in defenses and hasattr(row.cells.get("asr_after"), "mean"):
@@ -174,15 +226,17 @@ def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]]) -> dict[str, 
     for members in by_key.values():
         keys = tuple(f"defense.{k}" for k in defenses[members[0].defense])
         seeds, chosen = sweep_settings(members, keys)
+        if records and seeds:
+            _like_with_like(chosen, seeds, members, keys, records)
         if len(chosen) >= MIN_SETTINGS:
             found[_heading(members[0])].append((members[0], seeds, chosen))
     return found
 
 
-def clean_budget_tables(rows: list[Row]) -> list[str]:
+def clean_budget_tables(rows: list[Row], records: dict[str, RunRecord] | None = None) -> list[str]:
     """Per attack setting: CA / ASR after each defense at each share of clean training data it held."""
     lines: list[str] = []
-    sweeps = _sweeps(rows, {d: (CLEAN_BUDGET_KEY,) for d in CLEAN_BUDGET_DEFENSES})
+    sweeps = _sweeps(rows, {d: (CLEAN_BUDGET_KEY,) for d in CLEAN_BUDGET_DEFENSES}, records)
     for heading, entries in sorted(sweeps.items()):
         fractions = sorted({s[0] for _, _, chosen in entries for s in chosen if s[0] is not None})
         lines += [f"### {heading}", "", "CA / ASR after the defense, %, at each clean fraction of the training set.", "",
@@ -208,11 +262,11 @@ def _cell(row: Row, key: str) -> str:
     return f"{100 * cell.mean:.1f}" + (f" ± {100 * cell.std:.1f}" if cell.n > 1 and 100 * cell.std >= 0.05 else "")
 
 
-def sensitivity_tables(rows: list[Row]) -> list[str]:
+def sensitivity_tables(rows: list[Row], records: dict[str, RunRecord] | None = None) -> list[str]:
     """Per attack setting: each defense's ASR after (and CA after) at every value of its swept
     hyper-parameter, the default in bold, and the spread (max - min ASR after, points)."""
     lines: list[str] = []
-    for heading, entries in sorted(_sweeps(rows, SENSITIVITY).items()):
+    for heading, entries in sorted(_sweeps(rows, SENSITIVITY, records).items()):
         lines += [f"### {heading}", "",
                   "Each value: ASR after / CA after the defense, %; the default in bold.", "",
                   "| defense | swept | seeds | values: ASR / CA after | ASR spread (points) |", "|---|---|---|---|---|"]
@@ -247,9 +301,9 @@ def protocol_markdown(rows: list[Row], records: list[RunRecord]) -> str:
          "Runs with `eval.reactivation.enabled=true`: first the overview, then each attack in full.",
          reactivation_matrix(rows, by_id) + reactivation_tables(rows, by_id)),
         ("Clean-data budget", "`python -m backdoorbench --multirun experiment=clean_budget attack=<name>`: each "
-         "defense with 0.5% to 10% of the training set as its clean data.", clean_budget_tables(rows)),
+         "defense with 0.5% to 10% of the training set as its clean data.", clean_budget_tables(rows, by_id)),
         ("Sensitivity", "`python -m backdoorbench --multirun experiment=sensitivity_<defense> attack=<name>`: "
-         "each defense's key hyper-parameter swept around its default.", sensitivity_tables(rows)),
+         "each defense's key hyper-parameter swept around its default.", sensitivity_tables(rows, by_id)),
     ]
     out = ["# Protocol tables (issue 18)", "",
            "Made by `python -m backdoorbench.leaderboard` from the records, never by hand. "

@@ -314,6 +314,33 @@ def test_the_reactivation_overview_averages_the_seeds_and_prefers_the_setting_ru
     assert text.count("| neural_cleanse | anomaly_threshold=") == 2, text
 
 
+def test_a_one_seed_sweep_takes_its_default_from_the_seed_0_run_of_a_3_seed_row_made_with_its_kernels(tmp_path):
+    import dataclasses
+
+    from backdoorbench.leaderboard import write_leaderboard
+    from backdoorbench.records import save_record
+
+    runs = tmp_path / "runs"
+
+    def save(name, seed, fraction, asr, kernels, **extra):
+        cfg = {**nc_config(clean_fraction=fraction), **extra}
+        record = save_defense_run(runs, name, seed=seed, asr_after=asr, cfg=cfg)
+        if kernels:  # records made before the field existed name no kernels
+            record = dataclasses.replace(record, env={**record.env, "cpu_capability": kernels})
+            save_record(record, runs / "mnist5k" / "badnets_all2one" / f"{name}.json")
+
+    for fraction, asr in ((0.01, 0.9), (0.1, 0.1)):  # the sweep, seed 0, AVX512
+        save(f"s{fraction}", 0, fraction, asr, "AVX512")
+    # the default (5%) ran three seeds twice: once with other kernels (newest), once naming none
+    for seed, asr in enumerate((0.5, 0.6, 0.7)):
+        save(f"other{seed}", seed, 0.05, asr, "AVX2", eval={"reactivation": {"enabled": True}})
+    for seed, asr in enumerate((0.3, 0.2, 0.4)):
+        save(f"old{seed}", seed, 0.05, asr, None)
+    budget = write_leaderboard(tmp_path).protocols.read_text().split("## Clean-data budget")[1]
+    # the 5% cell is the kernel-less row's seed-0 run (30.0), not a 3-seed mean, nor the AVX2 run (50.0)
+    assert "| neural_cleanse | – | 0 | 95.0 / 90.0 | 95.0 / 30.0 | 95.0 / 10.0 |" in budget, budget
+
+
 def test_the_command_marks_a_pairing_the_threat_model_excludes_n_a_in_the_reactivation_overview(tmp_path):
     import subprocess
     import sys
