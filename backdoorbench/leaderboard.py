@@ -477,15 +477,19 @@ def setting_value(text: str) -> Any:
     return _frozen(json.loads(_number_text(text)))
 
 
+def row_setting(row: Row, keys: tuple[str, ...]) -> tuple:
+    """The row's values of the dotted config `keys` as a sweep's setting (None where a key is absent)."""
+    flat = _flatten(row.config)
+    return tuple(setting_value(flat[k]) if k in flat else None for k in keys)
+
+
 def sweep_settings(members: list[Row], keys: tuple[str, ...]) -> tuple[tuple[int, ...], dict[tuple, Row]]:
     """Of rows that differ only in the dotted config `keys` (and the seeds), one row per setting,
     all of one seed set: the set that covers the most settings, then the most seeds; the newest row
     of a setting. Returns that seed set and {setting (the keys' values, numbers as floats): row}."""
     by_seeds: dict[tuple[int, ...], dict[tuple, Row]] = defaultdict(dict)
     for row in sorted(members, key=lambda r: r.created_at, reverse=True):
-        flat = _flatten(row.config)
-        setting = tuple(setting_value(flat[k]) if k in flat else None for k in keys)
-        by_seeds[tuple(sorted(row.seeds))].setdefault(setting, row)
+        by_seeds[tuple(sorted(row.seeds))].setdefault(row_setting(row, keys), row)
     if not by_seeds:
         return (), {}
     return max(by_seeds.items(), key=lambda item: (len(item[1]), len(item[0])))

@@ -12,8 +12,8 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any, Callable
 
-from backdoorbench.leaderboard import (NOT_APPLICABLE, Cell, NotApplicable, Row, _flatten, _sweep_key, setting_labels,
-                                       setting_value, sweep_settings)
+from backdoorbench.leaderboard import (NOT_APPLICABLE, NotApplicable, Row, _sweep_key, row_setting, setting_labels,
+                                       setting_value, summarize, sweep_settings)
 from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES, CLEAN_BUDGET_KEY, SENSITIVITY, defense_defaults
 from backdoorbench.records import RunRecord
 
@@ -167,14 +167,11 @@ def _value_text(value: Any) -> str:
 def _restricted(row: Row, seeds: tuple[int, ...], records: dict[str, RunRecord]) -> Row | None:
     """`row` as if it had run only `seeds` (a subset of its own): its CA and ASR after recomputed from
     its records of those seeds; None when a record is missing or has no defended model."""
-    members = [records.get(run_id) for run_id in row.run_ids]
-    kept = [r for r in members if r is not None and r.seed in seeds]
-    if len(kept) != len(seeds) or any((r.metrics.get("defended") or None) is None for r in kept):
+    kept = [r for r in map(records.get, row.run_ids) if r is not None and r.seed in seeds]
+    if len(kept) != len(seeds) or not all(r.metrics.get("defended") for r in kept):
         return None
-    cells = {}
-    for key, metric in (("ca_after", "clean_acc"), ("asr_after", "asr")):
-        values = [float(r.metrics["defended"][metric]) for r in kept]
-        cells[key] = Cell(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
+    cells = {key: summarize([r.metrics["defended"][metric] for r in kept])
+             for key, metric in (("ca_after", "clean_acc"), ("asr_after", "asr"))}
     return dataclasses.replace(row, seeds=sorted(seeds), cells={**row.cells, **cells},
                                run_ids=[r.run_id for r in kept])
 
@@ -197,12 +194,10 @@ def _like_with_like(chosen: dict[tuple, Row], seeds: tuple[int, ...], members: l
     for row in members:
         if not set(seeds) <= set(row.seeds):
             continue
-        flat = _flatten(row.config)
-        setting = tuple(setting_value(flat[k]) if k in flat else None for k in keys)
         kernels = _kernels([row], seeds, records)
         if kernels and sweep_kernels and kernels != sweep_kernels:
             continue
-        candidates[setting].append(((bool(kernels), row.created_at), row))
+        candidates[row_setting(row, keys)].append(((bool(kernels), row.created_at), row))
     for setting, ranked in candidates.items():
         for _, row in sorted(ranked, key=lambda item: item[0], reverse=True):
             narrowed = row if sorted(row.seeds) == sorted(seeds) else _restricted(row, seeds, records)
@@ -214,9 +209,10 @@ def _like_with_like(chosen: dict[tuple, Row], seeds: tuple[int, ...], members: l
 def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]],
             records: dict[str, RunRecord] | None = None) -> dict[str, list[tuple[Row, tuple, dict]]]:
     """heading -> [(a row of the sweep, its seeds, {setting: row})] for each sweep of MIN_SETTINGS or more.
-    A sweep compares one seed set (leaderboard.sweep_settings); a setting missing from it is taken
-    from a row that ran those seeds and more, restricted to them (a sweep run at seed 0 beside a
-    3-seed row at its default: the default's seed-0 run, not the 3-seed mean)."""
+    A sweep compares one seed set (leaderboard.sweep_settings); given the records, each setting is then
+    the run of that seed set made most like the sweep (_like_with_like), which may be a row that ran
+    those seeds and more, restricted to them (a sweep run at seed 0 beside a 3-seed row at its
+    default: the default's seed-0 run, not the 3-seed mean)."""
     by_key: dict[tuple[str, ...], list[Row]] = defaultdict(list)
     for row in rows:
         if row.table == "defenses" and row.defense in defenses and hasattr(row.cells.get("asr_after"), "mean"):
