@@ -121,7 +121,9 @@ DEFENSE_COLUMNS = (
     Column("AUROC", "auroc", _auroc, lambda v: f"{v:.3f}"),
     Column("ASR after reactivation %", "asr_reactivated", _reactivated_asr, _pct),
     Column("cost s", "cost_s", _cost_seconds, lambda v: f"{v:.1f}"),
-    Column("passes/img", "passes_per_img", _cost("passes_per_train_image"), lambda v: f"{v:.3g}"),
+    # Two decimals, as the protocol tables: significant digits gave a mean and its std different decimals
+    # ("13 ± 0.0425").
+    Column("passes/img", "passes_per_img", _cost("passes_per_train_image"), lambda v: f"{v:.2f}"),
     # Filled per row by build_rows from other rows: see benign_controls and sensitivity_spread.
     Column("benign FP %", "benign_fp", _benign, _pct),
     Column("ASR spread", "asr_spread", lambda r: None, lambda v: f"{100 * v:.2f}"),

@@ -457,3 +457,13 @@ def test_an_optional_stage_labels_a_row_by_whether_it_ran():
     on = config() | {"eval": {"reactivation": stage | {"enabled": True}}}
     assert setting_labels([older, on]) == ["reactivation=off", "reactivation=on"]
     assert setting_labels([older, off]) == ["", ""]
+
+
+def test_a_cost_cell_gives_its_mean_and_std_the_same_decimals():
+    from backdoorbench.leaderboard import DEFENSE_COLUMNS, Cell, cell_text
+    passes = next(c for c in DEFENSE_COLUMNS if c.key == "passes_per_img")
+    # activation clustering's passes over three seeds: 12.97, 13.05, 13.01 (a std of 0.04)
+    values = [12.97, 13.05, 13.01]
+    cell = Cell(mean=statistics.mean(values), std=statistics.stdev(values), n=3)
+    assert cell_text(cell, passes, row_n=3) == "13.01 ± 0.04"
+    assert cell_text(Cell(mean=0.00025, std=0.0, n=3), passes, row_n=3) == "0.00"
