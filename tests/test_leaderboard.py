@@ -12,7 +12,8 @@ from html.parser import HTMLParser
 import pytest
 
 from backdoorbench.errors import ConfigError
-from backdoorbench.leaderboard import main, rerun_command, setting_labels, write_leaderboard
+from backdoorbench.leaderboard import (DEFENSE_COLUMNS, Cell, cell_text, main, rerun_command, setting_labels,
+                                       write_leaderboard)
 from backdoorbench.records import save_record
 from tests.chromium import Chromium, find_chromium
 from tests.test_records import make_record
@@ -460,7 +461,6 @@ def test_an_optional_stage_labels_a_row_by_whether_it_ran():
 
 
 def test_a_cost_cell_gives_its_mean_and_std_the_same_decimals():
-    from backdoorbench.leaderboard import DEFENSE_COLUMNS, Cell, cell_text
     passes = next(c for c in DEFENSE_COLUMNS if c.key == "passes_per_img")
     # activation clustering's passes over three seeds: 12.97, 13.05, 13.01 (a std of 0.04)
     values = [12.97, 13.05, 13.01]
