@@ -11,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from backdoorbench import distributed, progress
+from backdoorbench import distributed, launchers, progress
 from backdoorbench.cli import discard_job_outputs, fail, preflight
 from backdoorbench.errors import UserError
 
@@ -35,6 +35,7 @@ def main() -> None:
     except UserError as exc:
         fail(exc)
     progress.warnings_as_log_lines()
+    launchers.install()  # a sweep's failed Slurm jobs: one line each, not Hydra's traceback
     if distributed.rank() > 0:
         # Other ranks of a torchrun write nothing: Hydra's run folder goes to a temp folder that is
         # removed at exit, without its .hydra/ files or a log file (their log goes to stdout).

@@ -35,7 +35,7 @@ import backdoorbench
 from backdoorbench import distributed
 from backdoorbench.attacks.base import Attack, PoisonedData
 from backdoorbench.datasets.base import Split
-from backdoorbench.fileio import atomic_torch_save
+from backdoorbench.fileio import atomic_torch_save, torch_load
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class VictimCache:
         if not self.path.exists():
             return None
         try:
-            entry = torch.load(self.path, map_location="cpu", weights_only=True)
+            entry = torch_load(self.path, map_location="cpu")
             if not isinstance(entry, dict) or entry.get("format") != ENTRY_FORMAT or entry.get("key") != self.key:
                 raise ValueError(f"not a {ENTRY_FORMAT} entry for key {self.key}")
             model.load_state_dict(entry["model"])

@@ -11,3 +11,8 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset or pattern file is missing, truncated or malformed."""
+
+
+class StorageError(UserError):
+    """A result, checkpoint or cache file could not be written: a full disk, a quota, a read-only
+    or removed folder, a permission taken away during the run."""

@@ -25,7 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import backdoorbench
-from backdoorbench import checks, distributed
+from backdoorbench import checks, distributed, interrupts
 from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
@@ -34,8 +34,8 @@ from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
 from backdoorbench.defenses.runner import benign_false_positives, run_defense
-from backdoorbench.errors import ConfigError, DataError, UserError
-from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir
+from backdoorbench.errors import ConfigError, DataError, StorageError, UserError
+from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir, torch_load
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
 from backdoorbench.metrics.reactivation import ProbeBudget, RetuningBudget, measure_reactivation
 from backdoorbench.metrics.robustness import check_settings, eps_list, masking_suspects, robustness_curve, transfer_accuracy
@@ -316,7 +316,7 @@ def attacked_pgd(model, data: ImageDataset, pgd_cfg: DictConfig, device: torch.d
     path = pgd_memo_path(victim, pgd_cfg, device, keep_examples) if distributed.is_main() else None
     if path is not None and victim.get("cache") == "hit" and path.exists():
         try:
-            entry = torch.load(path, map_location="cpu", weights_only=True)
+            entry = torch_load(path, map_location="cpu")
             if not isinstance(entry, dict) or entry.get("format") != PGD_MEMO_FORMAT:
                 raise ValueError(f"not a {PGD_MEMO_FORMAT} file")
             examples = {(str(loss), float(eps)): images for loss, eps, images in entry["examples"]}
@@ -382,7 +382,7 @@ def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generato
     where = f"checkpoint {str(checkpoint)!r}"
     if checkpoint.exists():
         try:
-            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+            state = torch_load(checkpoint, map_location="cpu")
         except Exception as exc:  # a truncated zip, a foreign pickle, ...: torch raises many types
             raise DataError(f"{where} cannot be read ({type(exc).__name__}); delete it to train from scratch") from exc
         if not isinstance(state, dict) or state.get("format") != PREPARE_FORMAT or state.get("attack_name") != attack.name:
@@ -588,7 +588,11 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     )
     if not distributed.is_main():
         return record, None
-    path = write_new_record(record, artifacts, results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}")
+    # A requeue signal held during the record's write, or arriving after it, finds the run finished:
+    # acting on it would run the job again into a second record.
+    with interrupts.held():
+        path = write_new_record(record, artifacts, results_dir / "runs" / data.name / f"{attack.name}_{attack.target_mode}")
+        interrupts.finished()
     remove_checkpoints(results_dir / "checkpoints" / run_id)  # cache off: kept until the record is safe
     if logger is not None:
         logger.log_summary(record.to_dict())
@@ -659,6 +663,11 @@ def write_new_record(record: RunRecord, artifacts: dict[str, Any], folder: Path)
             if written is not None:
                 (folder / written).unlink(missing_ok=True)  # ours: the record that claimed the name is not
             continue
+        except StorageError:  # the disk filled between the artifacts and the record: leave neither
+            if written is not None:
+                with suppress(OSError):
+                    (folder / written).unlink(missing_ok=True)
+            raise
 
 
 def reactivation_lines(block: dict[str, Any] | None) -> list[str]:

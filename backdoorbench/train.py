@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from backdoorbench import checks, distributed, progress
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError, UserError
-from backdoorbench.fileio import atomic_torch_save
+from backdoorbench.fileio import atomic_torch_save, torch_load
 from backdoorbench.precision import precision_context, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -527,7 +527,7 @@ def load_checkpoint(
     Anything unreadable or written by a different fit is one DataError line."""
     where = f"checkpoint {str(path)!r}"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load(path, map_location="cpu")
     except Exception as exc:  # a truncated zip, a foreign pickle, ...: torch raises many types
         raise DataError(f"{where} cannot be read ({type(exc).__name__}); delete it to train from scratch") from exc
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:

@@ -49,6 +49,39 @@ def test_submitit_local_multirun_runs_two_submitit_jobs(tmp_path):
     assert logs.count("record: ") == 2  # the summary table each job printed
 
 
+@pytest.mark.slow
+def test_a_failed_submitit_job_is_one_line_naming_it_and_its_log_and_the_sweep_waits_for_the_rest(tmp_path):
+    proc = run_cli("--multirun", "hydra/launcher=submitit_local", "trainer.optimizer.lr=1e30,0.01", *TINY,
+                   f"results_dir={tmp_path}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line, summary] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    [sweep] = (tmp_path / "hydra" / "multirun").glob("*/*")
+    [err] = [path for path in (sweep / ".submitit").glob("*/*_log.err") if "became nan" in path.read_text()]
+    assert line == (f"error: job {err.parent.name} (trainer.optimizer.lr=1e+30) failed: victim: the training loss "
+                    f"became nan at epoch 1; lower the learning rate; its log: {err}"), line
+    assert summary == "error: 1 of 2 jobs failed; the other 1 finished"
+    [record] = [load_record(path) for path in records_under(tmp_path)]  # the other job's
+    assert record.config["trainer"]["optimizer"]["lr"] == 0.01
+
+
+def test_a_failed_job_is_named_by_the_settings_that_set_it_apart_and_its_own_error_line(tmp_path):
+    from types import SimpleNamespace
+
+    from backdoorbench.launchers import failure_line, sweep_settings
+
+    sweeps = [["attack=badnets", "seed=0", f"results_dir={tmp_path}"], ["attack=badnets", "seed=1", f"results_dir={tmp_path}"]]
+    assert sweep_settings(sweeps) == [["seed=0"], ["seed=1"]]
+    assert sweep_settings([sweeps[0]]) == [[]]
+    err = tmp_path / "7_1_0_log.err"
+    err.write_text("srun: error: node1: task 0: Exited with exit code 2\nsome log line\nerror: dataset.root is missing\n")
+    job = SimpleNamespace(job_id="7_1", paths=SimpleNamespace(stderr=err))
+    assert failure_line(job, ["seed=1"], "Job 7_1 has not produced any output") == \
+        f"error: job 7_1 (seed=1) failed: dataset.root is missing; its log: {err}"
+    err.write_text("Traceback (most recent call last):\n  ...\nRuntimeError: CUDA out of memory\n")
+    submitit_says = "Job 7_1 (task: 0) with path x.pkl\nhas not produced any output (state: FAILED)"
+    assert failure_line(job, [], submitit_says) == f"error: job 7_1 failed: RuntimeError: CUDA out of memory; its log: {err}"
+
+
 @pytest.mark.parametrize("launcher", ["joblib", "submitit_local", "submitit_slurm"])
 def test_launcher_configs_compose_with_our_settings(launcher):
     from hydra import compose, initialize_config_module

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backdoorbench.fileio import atomic_torch_save
+from backdoorbench.fileio import atomic_torch_save, torch_load
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def cached_splits(root: Path, name: str, settings: dict[str, Any], sources_key: 
 def _read(path: Path) -> Splits | None:
     try:
         # mmap: pages are read when first touched (e.g. on the copy to the GPU), not all up front
-        splits = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        splits = torch_load(path, map_location="cpu", mmap=True)
     except Exception as exc:  # truncated zip, bad pickle, ...: any failure means "rebuild"
         log.warning("cache %s is unreadable (%s); decoding the source files again", path, exc)
         return None

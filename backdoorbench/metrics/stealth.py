@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backdoorbench.errors import DataError
+from backdoorbench.fileio import torch_load
 
 PSNR_CAP_DB = 100.0
 ALEXNET_FILE = "alexnet-owt-7be5be79.pth"
@@ -183,7 +184,7 @@ def find_alexnet_weights(lpips_weights: str | os.PathLike | None = None) -> Path
 def _alexnet_features(path: Path) -> dict[str, Tensor]:
     """The conv weights of AlexNet's `features` from a torchvision checkpoint (full model or features only)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load(path, map_location="cpu")
     except Exception as exc:  # truncated zip, not a checkpoint, pickled objects refused, ...
         raise DataError(f"{path}: cannot be read as torchvision AlexNet weights ({type(exc).__name__}); "
                         f"replace it with {ALEXNET_URL}") from exc
@@ -223,7 +224,7 @@ def load_lpips(weights: str | os.PathLike, device: str | torch.device = "cpu") -
 
     # The linear layers calibrated on human judgments, shipped inside the lpips package.
     linear_path = Path(lpips.__file__).parent / "weights" / "v0.1" / "alex.pth"
-    linear = torch.load(linear_path, map_location="cpu", weights_only=True)
+    linear = torch_load(linear_path, map_location="cpu")
     expected = {name for name in model.state_dict() if name.startswith("lin") and not name.startswith("lins.")}
     if set(linear) != expected:  # lins.k are the same parameters as link
         raise DataError(f"{linear_path}: not the lpips v0.1 AlexNet linear layers; reinstall lpips")

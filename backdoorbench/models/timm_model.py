@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.fileio import torch_load
 from backdoorbench.models.base import ImageClassifier
 
 
@@ -115,7 +116,7 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
 
             state: Any = load_file(str(path))
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch_load(path, map_location="cpu")
     except Exception as exc:  # torch and safetensors raise many types for a bad file
         raise DataError(f"model.weights={str(path)!r} cannot be read as weights ({type(exc).__name__}: {exc})".splitlines()[0]) from exc
     for key in ("state_dict", "model"):
