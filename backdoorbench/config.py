@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 from backdoorbench import help_page
 
-GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "paper", "experiment")
+GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "protocol", "paper", "experiment")
 
 
 @dataclass
@@ -27,9 +27,11 @@ class TrainerSchema:
     optimizer: Any = MISSING
     schedule: str = "cosine"
     milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
-    gamma: float = 0.1
+    gamma: float = 0.1  # multistep's factor at each milestone; plateau's factor (ReduceLROnPlateau)
+    schedule_period: Optional[int] = None  # cosine's half period in epochs (CosineAnnealingLR T_max); null = the run's
+    plateau_patience: int = 10  # plateau: epochs without a lower training loss before the lr drops
     augment: bool = True
-    precision: str = "auto"  # auto, bf16 or fp32 (backdoorbench/precision.py)
+    precision: str = "auto"  # auto, bf16, tf32 or fp32 (backdoorbench/precision.py)
     rotation: float = 0.0
     rotation_p: float = 0.5
     channels_last: bool = True
@@ -93,6 +95,7 @@ class RunSchema:
     attack: Any = MISSING
     defense: Any = None
     trainer: TrainerSchema = MISSING
+    protocol: Any = None  # the training protocol (conf/protocol/): name, source, per-dataset method values
     logger: Any = None
     eval: EvalSchema = field(default_factory=EvalSchema)
     seed: int = 0
@@ -103,7 +106,21 @@ class RunSchema:
 
 
 # Keys that change where or how a run reports, never what it computes; left out of the run id.
-NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weights", "cache", "cache_dir")
+# `protocol` names the recipe and holds per-dataset method values, which reach the run through the
+# attack's and trainer's own keys (those are in the id).
+NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weights", "cache", "cache_dir", "protocol")
+
+
+def inert_trainer_keys(config: dict[str, Any]) -> tuple[str, ...]:
+    """Trainer keys added later that play no part at their defaults: left out of the run id and the
+    victim key, so a run that does not use them keeps the id and the cached victim it had before."""
+    trainer = config.get("trainer") or {}
+    inert = []
+    if trainer.get("schedule_period") is None:
+        inert.append("trainer.schedule_period")
+    if trainer.get("schedule") != "plateau":
+        inert.append("trainer.plateau_patience")
+    return tuple(inert)
 
 # conf/hydra/launcher/{joblib,submitit_local,submitit_slurm}.yaml carry the plugins' own names on
 # purpose, so `hydra/launcher=joblib` means what the plugins document, and Hydra 1.3 still checks

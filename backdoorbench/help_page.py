@@ -24,6 +24,7 @@ GROUPS = (
     ("trainer", "the training loop"),
     ("trainer/optimizer", "the optimizer"),
     ("logger", "where per-epoch metrics go"),
+    ("protocol", "the training recipe; default = the dataset's own (backdoorbench or quick)"),
     ("paper", "a paper's per-dataset setting, e.g. paper=lira/cifar10"),
     ("experiment", "a preset sweep, run with --multirun"),
     ("hydra/launcher", "how a --multirun sweep runs its jobs"),

@@ -190,6 +190,7 @@ class Row:
     created_at: str = ""  # the newest record's
     canonical: bool = False
     precision: str = "fp32"  # what its forward passes computed in (computed_precision of its records)
+    protocol: str = "quick"  # its training protocol (config.protocol.name; records from before protocols ran quick)
 
     @property
     def n(self) -> int:
@@ -200,7 +201,9 @@ class Row:
         """The victim's training budget, e.g. `10 ep` or `30 ep, no aug`: rows of one table may differ in it."""
         trainer = self.config.get("trainer") or {}
         text = f"{trainer.get('epochs', '?')} ep"
-        return text if trainer.get("augment", True) else text + ", no aug"
+        text = text if trainer.get("augment", True) else text + ", no aug"
+        # a protocol other than quick is named: the protocol tables group by this, never across protocols
+        return text if self.protocol == "quick" else f"{self.protocol} protocol, {text}"
 
 
 def load_records_with_paths(results_dir: Path) -> list[tuple[RunRecord, Path]]:
@@ -356,14 +359,15 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
                   seeds=[r.seed for r in members], config=first.config, run_ids=[r.run_id for r in members],
                   record_paths=[p for _, p in pairs], command=rerun_command(members),
                   created_at=max(r.created_at for r in members),
-                  precision="/".join(sorted({computed_precision(r) for r in members})))
+                  precision="/".join(sorted({computed_precision(r) for r in members})),
+                  protocol=record_protocol(first))
         excluded = exclusion(first)  # the same config: every seed agrees
         row.cells = {c.key: NotApplicable(excluded) if excluded is not None
                      else summarize([c.read(r) for r in members]) for c in columns}
         rows.append(row)
     peers: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
-        peers[(row.table, row.dataset, row.model, row.attack, row.target_mode, row.defense)].append(row)
+        peers[(row.table, row.dataset, row.protocol, row.model, row.attack, row.target_mode, row.defense)].append(row)
     for members in peers.values():
         for row, label in zip(members, setting_labels([m.config for m in members])):
             row.label = label
@@ -375,8 +379,16 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
     sensitivity_spread(rows)
     borrowed_measures(rows)
     mark_canonical(rows)
-    rows.sort(key=lambda r: (r.dataset, r.table, r.defense, r.model, r.attack, r.target_mode, r.label, r.group_id))
+    rows.sort(key=lambda r: (r.dataset, r.protocol, r.table, r.defense, r.model, r.attack, r.target_mode, r.label,
+                             r.group_id))
     return rows
+
+
+def record_protocol(record: RunRecord) -> str:
+    """The training protocol a record's run followed (conf/protocol/): `config.protocol.name`;
+    records made before protocols existed trained with today's quick recipe."""
+    protocol = record.config.get("protocol") or {}
+    return str(protocol.get("name") or "quick")
 
 
 def computed_precision(record: RunRecord) -> str:
@@ -390,7 +402,8 @@ def computed_precision(record: RunRecord) -> str:
 
 # Trainer keys added after records were made, with the value that reproduces the older training
 # (a record without the key trained as if it had this value).
-_TRAINER_KEYS_ADDED = {"trainer.rotation": "0", "trainer.rotation_p": "0.5"}
+_TRAINER_KEYS_ADDED = {"trainer.rotation": "0", "trainer.rotation_p": "0.5", "trainer.schedule_period": "null",
+                       "trainer.plateau_patience": "10"}
 # Keys that only choose the precision: the key compares the precision computed instead.
 _PRECISION_KEYS = ("trainer.amp", "trainer.precision")
 
@@ -413,7 +426,7 @@ def _training_key(row: Row) -> tuple[str, str, str]:
     if trainer.get("trainer.rotation") == "0.0":  # no rotation: its probability plays no part
         trainer.pop("trainer.rotation_p", None)
     trainer["precision (computed)"] = row.precision
-    return row.dataset, row.model, json.dumps(trainer, sort_keys=True)
+    return f"{row.dataset}, {row.protocol} protocol", row.model, json.dumps(trainer, sort_keys=True)
 
 
 def clean_controls(rows: list[Row]) -> None:
@@ -564,7 +577,7 @@ def mark_canonical(rows: list[Row]) -> None:
     for row in rows:
         row.canonical = False
         if not (row.table == "attacks" and row.attack == CLEAN_ATTACK):
-            peers[(row.table, row.dataset, row.model, row.attack, row.target_mode, row.defense)].append(row)
+            peers[(row.table, row.dataset, row.protocol, row.model, row.attack, row.target_mode, row.defense)].append(row)
     from backdoorbench.protocols import at_defaults, attack_at_defaults
 
     def at_default(row: Row) -> bool:  # of a sensitivity sweep's rows, the one at the defense's defaults
@@ -701,9 +714,11 @@ def _layout_note(shape: Layout) -> str:
 
 
 def _by_dataset(rows: list[Row]) -> dict[str, list[Row]]:
+    """Rows by dataset and training protocol, each pair its own section: rows of two protocols are
+    never compared in one table (`mnist5k, quick protocol`, `cifar10, backdoorbench protocol`)."""
     out: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
-        out[row.dataset].append(row)
+        out[f"{row.dataset}, {row.protocol} protocol"].append(row)
     return dict(sorted(out.items()))
 
 
@@ -757,12 +772,12 @@ def to_csv(rows: list[Row], table: str) -> str:
     columns = dict((t, c) for t, _, c in TABLES)[table]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    keys = ["dataset"] + (["defense"] if table == "defenses" else []) + ["model", "attack", "target_mode", "training",
+    keys = ["dataset", "protocol"] + (["defense"] if table == "defenses" else []) + ["model", "attack", "target_mode", "training",
                                                                         "setting", "n", "seeds", "group_id",
                                                                         "canonical"]
     writer.writerow(keys + [f"{c.key}_{part}" for c in columns for part in ("mean", "std", "n")])
     for row in (r for r in rows if r.table == table):
-        values = {"dataset": row.dataset, "defense": row.defense, "model": row.model, "attack": row.attack,
+        values = {"dataset": row.dataset, "protocol": row.protocol, "defense": row.defense, "model": row.model, "attack": row.attack,
                   "target_mode": row.target_mode, "training": row.training, "setting": row.label, "n": row.n,
                   "seeds": " ".join(map(str, row.seeds)), "group_id": row.group_id,
                   "canonical": str(row.canonical).lower()}

@@ -29,7 +29,7 @@ from backdoorbench import checks, distributed, interrupts
 from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
-from backdoorbench.config import NON_RESULT_KEYS
+from backdoorbench.config import NON_RESULT_KEYS, inert_trainer_keys
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
@@ -118,10 +118,11 @@ def _check_reactivation(cfg: DictConfig) -> None:
 
 def run_config_hash(config: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
     """The run id's hash: `config_hash` without the non-result keys, and without `eval.reactivation`
-    while it is off, so that a run without the stage keeps the id it had before the stage existed."""
+    while it is off (and trainer keys at their inert defaults), so that a run without the stage keeps
+    the id it had before the stage existed."""
     reactivation = (config.get("eval") or {}).get("reactivation") or {}
     off = () if reactivation.get("enabled") else ("eval.reactivation",)
-    return config_hash(config, NON_RESULT_KEYS + off + drop)
+    return config_hash(config, NON_RESULT_KEYS + off + inert_trainer_keys(config) + drop)
 
 
 def _check_device(device: str) -> None:
@@ -472,13 +473,14 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     if logger is not None:
         logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
-    if trainer.precision != attack.min_precision and attack.min_precision == "fp32":
+    if trainer.precision == "bf16" and attack.min_precision == "fp32":
         log.warning("trainer.precision=%s rounds %s's faint trigger (it needs fp32); use trainer.precision=auto "
                     "or fp32 for faithful numbers", trainer.precision, attack.name)
     excluded = defense.not_applicable(attack) if defense is not None else None  # the threat models' pairing
-    log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s, precision %s", run_id, cfg.model._target_.rsplit(".", 1)[-1],
-             data.name, attack.name, attack.target_mode, defense.name if defense else "none", trainer.device,
-             trainer.precision)
+    protocol = (cfg.get("protocol") or {}).get("name") or "quick"
+    log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s, precision %s, protocol %s, %d epochs", run_id,
+             cfg.model._target_.rsplit(".", 1)[-1], data.name, attack.name, attack.target_mode,
+             defense.name if defense else "none", trainer.device, trainer.precision, protocol, trainer.epochs)
 
     victim, poisoned, model = obtain_victim(cfg, config, run_id, data, attack, trainer, timings, results_dir)
     with timed(timings, "eval_attacked"):
@@ -711,8 +713,10 @@ def summary_table(record: RunRecord, path: Path) -> str:
     # each batch; attack=none has rate 0.
     per_batch = attack["n_poisoned"] == 0 and attack["poison_rate"] > 0
     share = "of each batch" if per_batch else f"({attack['n_poisoned']} samples)"
+    protocol = (record.config.get("protocol") or {}).get("name") or "quick"
     lines.insert(0, f"{attack['name']} {attack['target_mode']}{target}, poison rate {attack['poison_rate']} "
-                    f"{share} on {record.dataset['name']} / {record.model['name']}, seed {record.seed}")
+                    f"{share} on {record.dataset['name']} / {record.model['name']}, seed {record.seed}, "
+                    f"{protocol} protocol, {record.env.get('precision', 'fp32')}")
     victim = record.victim or {}
     if victim.get("cache") == "hit":
         trained = f"victim from the cache, trained before in {victim['train_s']:.1f} s"

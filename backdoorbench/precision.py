@@ -12,6 +12,10 @@ every other attack keeps bf16's speed:
   unless the attack declares `min_precision = "fp32"` (LIRA, WB).
 - `bf16` or `fp32`: that precision, whatever the attack (bf16 on the CPU uses the CPU's bf16
   autocast: slow, but it shows on a CPU what a GPU run computes).
+- `tf32`: fp32 as PyTorch runs it by default, and so as the official code ran: on CUDA, cuDNN's
+  convolutions may use TF32 and matmuls stay fp32 (torch.backends.cudnn.allow_tf32 = True,
+  torch.backends.cuda.matmul.allow_tf32 = False). The `backdoorbench` protocol's precision. On the
+  CPU it is fp32, and records say fp32; for LIRA and WB (min_precision fp32) it is fp32 without TF32.
 
 fp32 on CUDA also switches TF32 off for convolutions and matmuls while it is in force: TF32
 rounds their inputs to 11 significant bits, which distorts such a trigger's effect by about 7%.
@@ -26,7 +30,7 @@ import torch
 
 from backdoorbench.errors import ConfigError
 
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "tf32", "fp32")
 ATTACK_PRECISIONS = ("bf16", "fp32")  # what an attack may declare as its min_precision
 
 
@@ -37,6 +41,10 @@ def resolve_precision(requested: str, device_type: str, min_precision: str = "bf
         raise ConfigError(f"trainer.precision={requested!r} is unknown; choose one of: {', '.join(PRECISIONS)}")
     if min_precision not in ATTACK_PRECISIONS:
         raise ValueError(f"an attack's min_precision must be one of {ATTACK_PRECISIONS}, not {min_precision!r}")
+    if requested == "tf32":
+        # no TF32 on the CPU (the same numbers as fp32); nor for an attack whose faint trigger TF32's
+        # 11-bit inputs would round (LIRA, WB declare min_precision fp32)
+        return "tf32" if device_type == "cuda" and min_precision != "fp32" else "fp32"
     if requested != "auto":
         return requested
     return min_precision if device_type == "cuda" else "fp32"
@@ -45,19 +53,21 @@ def resolve_precision(requested: str, device_type: str, min_precision: str = "bf
 @contextmanager
 def precision_context(device_type: str, precision: str) -> Iterator[None]:
     """Forward passes inside run in `precision`: bf16 autocast, or fp32 with autocast off (an
-    enclosing autocast too) and, on CUDA, no TF32."""
+    enclosing autocast too) and, on CUDA, no TF32 (fp32) or TF32 convolutions only (tf32)."""
     if precision == "bf16":
         with torch.autocast(device_type, dtype=torch.bfloat16):
             yield
         return
-    if precision != "fp32":
-        raise ValueError(f"precision must be bf16 or fp32 once resolved, not {precision!r}")
+    if precision not in ("fp32", "tf32"):
+        raise ValueError(f"precision must be bf16, tf32 or fp32 once resolved, not {precision!r}")
     with torch.autocast(device_type, enabled=False):
         if device_type != "cuda":
             yield
             return
         saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        # fp32: no TF32 anywhere; tf32: PyTorch's defaults (TF32 convolutions, fp32 matmuls)
+        torch.backends.cudnn.allow_tf32 = precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = False
         try:
             yield
         finally:

@@ -214,7 +214,9 @@ def _constant(progress: float, milestones, gamma) -> float:
     return 1.0
 
 
-SCHEDULES = {"cosine": _cosine, "multistep": _multistep, "constant": _constant}
+# plateau: ReduceLROnPlateau on the epoch's mean training loss (BackdoorBench's Tiny-ImageNet recipe),
+# a factor that depends on the losses, so it has no function of the progress here.
+SCHEDULES = {"cosine": _cosine, "multistep": _multistep, "constant": _constant, "plateau": None}
 
 
 CHECKPOINT_FORMAT = "backdoorbench.trainer_checkpoint.v1"
@@ -239,6 +241,8 @@ class Trainer:
         schedule: str = "cosine",
         milestones: tuple[float, ...] = (0.5, 0.75),
         gamma: float = 0.1,
+        schedule_period: int | None = None,
+        plateau_patience: int = 10,
         augment: bool = True,
         crop_padding: int = 0,
         hflip: bool = False,
@@ -256,6 +260,10 @@ class Trainer:
             checks.integer("trainer", key, value, 1)
         if schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={schedule!r} is unknown; choose one of: {', '.join(SCHEDULES)}")
+        if schedule_period is not None:
+            checks.integer("trainer", "schedule_period", schedule_period, 1,
+                           hint="epochs of the cosine's half period (CosineAnnealingLR's T_max); null = the run's epochs")
+        checks.integer("trainer", "plateau_patience", plateau_patience, 0, hint="epochs without a lower loss")
         checks.integer("", "crop_padding", crop_padding, 0)  # the dataset's, passed in by the pipeline
         checks.number("trainer", "rotation", rotation, 0, 180, hint="degrees; 0 = off, the WaNet/IAD/LIRA code uses 10")
         checks.number("trainer", "rotation_p", rotation_p, 0, 1, hint="the share of images rotated")
@@ -263,7 +271,11 @@ class Trainer:
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.optimizer = optimizer
-        self.schedule = partial(SCHEDULES[schedule], milestones=tuple(milestones), gamma=gamma)
+        self.schedule_name = schedule
+        self.schedule = partial(SCHEDULES[schedule], milestones=tuple(milestones), gamma=gamma) if SCHEDULES[schedule] else None
+        self.gamma = gamma
+        self.schedule_period = schedule_period
+        self.plateau_patience = plateau_patience
         self.augment = augment
         self.crop_padding = crop_padding
         self.hflip = hflip
@@ -342,7 +354,12 @@ class Trainer:
         augmentation (then done on floats, with the same draws); `step` gets the augmented poisoned
         batch. For an attack whose official code poisons first and augments after (WaNet).
         """
+        # trainer.schedule_period (CosineAnnealingLR's T_max) times the cosine of the trainer's own
+        # fit; a fit given its own epochs (a defense's fine-tuning, a surrogate) and the multistep
+        # milestones (fractions of the run) go by the fit's epochs.
+        period = self.schedule_period if epochs is None and self.schedule_name == "cosine" else None
         epochs = self.epochs if epochs is None else epochs
+        period = period or epochs
         world, rank = distributed.world_size(), distributed.rank()
         model = self.prepare(model)
         net = self._compiled(model)
@@ -352,8 +369,14 @@ class Trainer:
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
-        # Stepped once per epoch: the factor of epoch e (0-based) is schedule(e / epochs).
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: self.schedule(e / max(epochs, 1)))
+        # Stepped once per epoch: the factor of epoch e (0-based) is schedule(e / period), period the
+        # fit's epochs unless trainer.schedule_period says otherwise; plateau steps on the epoch's loss.
+        if self.schedule is None:
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=self.gamma,
+                                                                   patience=self.plateau_patience)
+        else:
+            schedule = self.schedule
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: schedule(e / max(period, 1)))
         history: list[dict[str, Any]] = []
         meta = {"desc": desc, "epochs": epochs, "samples": len(split), "batch_size": self.batch_size}
         if world > 1:
@@ -446,7 +469,10 @@ class Trainer:
                 "lr": optimizer.param_groups[0]["lr"],
                 "time_s": time.perf_counter() - started,
             }
-            scheduler.step()
+            if self.schedule is None:
+                scheduler.step(mean_loss)
+            else:
+                scheduler.step()
             history.append(row)
             if distributed.is_main():
                 log.info("%s epoch %d/%d: loss %.4f, acc %.4f, lr %.4g, %.1f s", desc, epoch, epochs,

@@ -70,7 +70,7 @@ def test_help_lists_every_group_with_its_options_and_no_internal_ones(help_text:
     starred = {group: [o.split("*")[0] for o in shown if "*" in o] for group, shown in listed.items()}
     # the command line's choice (attack=wanet) and the defaults of the rest, each marked once
     assert starred == {"dataset": ["mnist5k"], "model": ["mnist_cnn"], "attack": ["wanet"], "defense": ["none"],
-                       "trainer": ["default"], "trainer/optimizer": ["sgd"], "logger": ["csv"], "paper": [],
+                       "trainer": ["default"], "trainer/optimizer": ["sgd"], "logger": ["csv"], "protocol": ["default"], "paper": [],
                        "experiment": [], "hydra/launcher": ["basic"]}
     assert "mnist_cnn* (the dataset's usual one)" in listed["model"]
 

@@ -93,7 +93,7 @@ def test_auto_is_fp32_on_the_cpu_and_the_attacks_precision_on_cuda():
     assert LIRA.min_precision == WB.min_precision == "fp32"
     assert resolve_precision("bf16", "cuda", "fp32") == "bf16"  # asked for explicitly: obeyed (the run warns)
     assert resolve_precision("fp32", "cuda", "bf16") == "fp32"
-    with pytest.raises(ConfigError, match=r"^trainer.precision='fp16' is unknown; choose one of: auto, bf16, fp32$"):
+    with pytest.raises(ConfigError, match=r"^trainer.precision='fp16' is unknown; choose one of: auto, bf16, tf32, fp32$"):
         resolve_precision("fp16", "cpu")
 
 

