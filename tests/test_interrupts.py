@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -221,21 +222,25 @@ def test_human_bytes():
         ["0 bytes", "999 bytes", "1.5 kB", "4.7 MB", "3.0 TB"]
 
 
-def mount_tmpfs(folder: Path, size: str) -> None:
+@contextmanager
+def tmpfs(folder: Path, size: str):
+    """A real small file system at `folder` for the test's length (skipped where it can't be mounted)."""
     folder.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"a small tmpfs cannot be mounted here ({proc.stderr.strip() or proc.returncode}): "
                     "this test needs root and mount permission")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="mounts a tmpfs")
 def test_a_run_on_a_full_results_dir_fails_in_one_line_naming_the_checkpoint_and_its_size(tmp_path):
-    small = tmp_path / "small"
-    mount_tmpfs(small, "200k")
-    try:
+    with tmpfs(tmp_path / "small", "200k") as small:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         proc = subprocess.run([sys.executable, "-m", "backdoorbench", f"results_dir={small / 'r'}", "trainer.epochs=1",
                                "logger=none", "trainer.progress=false", "eval.stealth_images=0"],
@@ -247,8 +252,6 @@ def test_a_run_on_a_full_results_dir_fails_in_one_line_naming_the_checkpoint_and
         assert "victim.pt (it needs " in errors[0] and " free there)" in errors[0]
         left = [p for p in (small / "r").rglob("*") if p.is_file() and not p.name.endswith(".lock")]
         assert left == [], left  # nothing partial: no temp file, no record, no Hydra job files
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 @pytest.mark.slow
@@ -259,9 +262,7 @@ def test_a_results_dir_made_read_only_mid_training_is_one_line(tmp_path):
     from backdoorbench.datasets.base import Split
     from backdoorbench.train import Trainer
 
-    folder = tmp_path / "ro"
-    mount_tmpfs(folder, "64m")
-    try:
+    with tmpfs(tmp_path / "ro", "64m") as folder:
         g = torch.Generator().manual_seed(0)
         split = Split(torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8, generator=g),
                       torch.randint(0, 4, (64,), generator=g))
@@ -280,5 +281,3 @@ def test_a_results_dir_made_read_only_mid_training_is_one_line(tmp_path):
                         on_epoch=read_only_after_first)
         assert [p.name for p in path.parent.iterdir()] == ["victim.pt"]  # epoch 1's, whole
         assert torch.load(path, weights_only=True)["epoch"] == 1
-    finally:
-        subprocess.run(["umount", str(folder)], check=False)
