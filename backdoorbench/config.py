@@ -111,6 +111,13 @@ class RunSchema:
 NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weights", "cache", "cache_dir", "protocol")
 
 
+def protocol_name(config: Any) -> str:
+    """The training protocol a config (or a record's) ran: `protocol.name`; a config from before
+    protocols existed trained with today's quick recipe."""
+    protocol = config.get("protocol") or {}
+    return str(protocol.get("name") or "quick")
+
+
 def inert_trainer_keys(config: dict[str, Any]) -> tuple[str, ...]:
     """Trainer keys added later that play no part at their defaults: left out of the run id and the
     victim key, so a run that does not use them keeps the id and the cached victim it had before."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backdoorbench.config import NON_RESULT_KEYS
+from backdoorbench.config import NON_RESULT_KEYS, protocol_name
 from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.fileio import atomic_write_text, ensure_writable_dir
 from backdoorbench.records import RecordError, RunRecord, latest_repeats, load_record
@@ -385,10 +385,8 @@ def build_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
 
 
 def record_protocol(record: RunRecord) -> str:
-    """The training protocol a record's run followed (conf/protocol/): `config.protocol.name`;
-    records made before protocols existed trained with today's quick recipe."""
-    protocol = record.config.get("protocol") or {}
-    return str(protocol.get("name") or "quick")
+    """The training protocol a record's run followed (conf/protocol/; config.protocol_name)."""
+    return protocol_name(record.config)
 
 
 def computed_precision(record: RunRecord) -> str:

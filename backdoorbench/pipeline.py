@@ -29,7 +29,7 @@ from backdoorbench import checks, distributed, interrupts
 from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
 from backdoorbench.cache import VictimCache, victim_key
-from backdoorbench.config import NON_RESULT_KEYS, inert_trainer_keys
+from backdoorbench.config import NON_RESULT_KEYS, inert_trainer_keys, protocol_name
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
@@ -477,7 +477,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         log.warning("trainer.precision=%s rounds %s's faint trigger (it needs fp32); use trainer.precision=auto "
                     "or fp32 for faithful numbers", trainer.precision, attack.name)
     excluded = defense.not_applicable(attack) if defense is not None else None  # the threat models' pairing
-    protocol = (cfg.get("protocol") or {}).get("name") or "quick"
+    protocol = protocol_name(cfg)
     log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s, precision %s, protocol %s, %d epochs", run_id,
              cfg.model._target_.rsplit(".", 1)[-1], data.name, attack.name, attack.target_mode,
              defense.name if defense else "none", trainer.device, trainer.precision, protocol, trainer.epochs)
@@ -713,7 +713,7 @@ def summary_table(record: RunRecord, path: Path) -> str:
     # each batch; attack=none has rate 0.
     per_batch = attack["n_poisoned"] == 0 and attack["poison_rate"] > 0
     share = "of each batch" if per_batch else f"({attack['n_poisoned']} samples)"
-    protocol = (record.config.get("protocol") or {}).get("name") or "quick"
+    protocol = protocol_name(record.config)
     lines.insert(0, f"{attack['name']} {attack['target_mode']}{target}, poison rate {attack['poison_rate']} "
                     f"{share} on {record.dataset['name']} / {record.model['name']}, seed {record.seed}, "
                     f"{protocol} protocol, {record.env.get('precision', 'fp32')}")
