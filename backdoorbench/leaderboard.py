@@ -582,7 +582,7 @@ def mark_canonical(rows: list[Row]) -> None:
         return row.table == "defenses" and at_defaults(row.config.get("defense"), row.defense)
 
     def attack_at_default(row: Row) -> bool:  # of an attack's rows, those at its config's rates and options
-        return attack_at_defaults(row.config.get("attack"), row.attack)
+        return attack_at_defaults(row.config.get("attack"), row.attack, row.config.get("protocol"))
 
     for members in peers.values():
         max(members, key=lambda r: (r.n, attack_at_default(r), at_default(r), r.created_at, r.group_id)).canonical = True

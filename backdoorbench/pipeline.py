@@ -35,6 +35,7 @@ from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
 from backdoorbench.defenses.runner import benign_false_positives, run_defense
 from backdoorbench.errors import ConfigError, DataError, StorageError, UserError
+from backdoorbench.precision import bf16_warning
 from backdoorbench.fileio import atomic_torch_save, ensure_writable_dir, torch_load
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
 from backdoorbench.metrics.reactivation import ProbeBudget, RetuningBudget, measure_reactivation
@@ -473,9 +474,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
     if logger is not None:
         logger.start(run_id=run_id, group_id=group_id, config=config, results_dir=results_dir)
     trainer.on_epoch = logger.log_epoch if logger is not None else None
-    if trainer.precision == "bf16" and attack.min_precision == "fp32":
-        log.warning("trainer.precision=%s rounds %s's faint trigger (it needs fp32); use trainer.precision=auto "
-                    "or fp32 for faithful numbers", trainer.precision, attack.name)
+    if warning := bf16_warning(attack.name, trainer.precision, attack.min_precision, getattr(attack, "test_eps", None)):
+        log.warning("%s", warning)  # once, in one line
     excluded = defense.not_applicable(attack) if defense is not None else None  # the threat models' pairing
     protocol = protocol_name(cfg)
     log.info("run %s: %s on %s, attack %s (%s), defense %s, device %s, precision %s, protocol %s, %d epochs", run_id,

@@ -31,6 +31,9 @@ import torch
 from backdoorbench.errors import ConfigError
 
 PRECISIONS = ("auto", "bf16", "tf32", "fp32")
+# bf16's spacing on [0.5, 1): a bright pixel moves in steps of 1/256, and a trigger of a smaller
+# L_inf is rounded away there (and, normalised, in the first convolution's input alike).
+BF16_PIXEL_STEP = 2.0 ** -8
 ATTACK_PRECISIONS = ("bf16", "fp32")  # what an attack may declare as its min_precision
 
 
@@ -48,6 +51,21 @@ def resolve_precision(requested: str, device_type: str, min_precision: str = "bf
     if requested != "auto":
         return requested
     return min_precision if device_type == "cuda" else "fp32"
+
+
+def bf16_warning(attack: str, precision: str, min_precision: str, trigger_linf: float | None) -> str | None:
+    """The one line a run logs when bf16 rounds its attack's trigger, else None: a test-time trigger
+    bounded below bf16's step at the image's scale (LIRA and WB at the papers' small eps), or an
+    attack that declares it needs fp32."""
+    if precision != "bf16":
+        return None
+    if trigger_linf is not None and 0 < trigger_linf < BF16_PIXEL_STEP:
+        return (f"trainer.precision=bf16 rounds {attack}'s trigger: its L_inf of {trigger_linf:.4g} px is below bf16's "
+                f"step of {BF16_PIXEL_STEP:.4g} px on bright pixels; use trainer.precision=fp32 or tf32 for faithful numbers")
+    if min_precision == "fp32":
+        return (f"trainer.precision=bf16 rounds {attack}'s faint trigger (it needs fp32); use trainer.precision=auto "
+                f"or fp32 for faithful numbers")
+    return None
 
 
 @contextmanager

@@ -61,12 +61,16 @@ def attack_defaults(name: str) -> dict[str, Any]:
     return _group_defaults("attack", name)
 
 
-def attack_at_defaults(attack_config: dict[str, Any] | None, name: str) -> bool:
+def attack_at_defaults(attack_config: dict[str, Any] | None, name: str,
+                       protocol: dict[str, Any] | None = None) -> bool:
     """Whether a record's `config.attack` holds the default of every key of `conf/attack/<name>.yaml`
     it has (the target mode aside: both modes are protocol settings); a key the record lacks (an older
-    record) counts as default."""
+    record) counts as default. A default the protocol sets (`${oc.select:protocol.methods...}`) is
+    resolved against the record's `config.protocol` (its fallback where the record names none)."""
     defaults = attack_defaults(name)
     if attack_config is None or not defaults:
         return False
+    defaults = OmegaConf.to_container(
+        OmegaConf.create({"attack": defaults, "protocol": protocol or {}}), resolve=True)["attack"]
     return all(attack_config.get(key, value) == value for key, value in defaults.items()
                if key not in ("_target_", "target_mode"))

@@ -11,11 +11,23 @@ from __future__ import annotations
 
 # The normalisation each official code applies before its eps is added: dataset -> per-channel std
 # (None: the code feeds [0, 1] pixels, so its values are already pixels).
-# LIRA: sunbelbd/invisible_backdoor_attacks@202b4cb575e513450016e24edd9d9ab40b2a8cd0:pytorch/utils/dataloader.py
-# (get_transform: MNIST Normalize([0.5], [0.5]) = [-1, 1]; CIFAR-10 its mean/std; GTSRB none;
-# Tiny-ImageNet ImageNet's mean/std). The noise is added after that transform
-# (pytorch/lira_trigger_generation.py: `noise = atkmodel(data) * args.eps; atkdata = clip_image(data + noise)`).
+# LIRA, the authors' latest code (the presets' default, paper=lira/<dataset>):
+# khoadoan106/backdoor_attacks@bc6e2629ce640885139303f0dad84d078d074919:python/utils/dataloader.py:52-55
+# (get_transform: MNIST Normalize([0.5], [0.5]) = [-1, 1]; every other dataset, CIFAR-10, GTSRB and
+# Tiny-ImageNet, ImageNet's mean/std). The noise is added after that transform
+# (python/lira_trigger_generation.py:240-241: `noise = tgtmodel(data) * args.eps; atkdata = clip_image(data + noise)`).
 LIRA_STD: dict[str, tuple[float, ...] | None] = {
+    "mnist": (0.5,),
+    "cifar10": (0.229, 0.224, 0.225),
+    "gtsrb": (0.229, 0.224, 0.225),
+    "tiny_imagenet": (0.229, 0.224, 0.225),
+}
+# LIRA's first release, sunbelbd/invisible_backdoor_attacks (PyTorch @202b4cb575e513450016e24edd9d9ab40b2a8cd0:
+# pytorch/utils/dataloader.py:47-56, the same at @07f38cd77094e0e857f8b510b0ca382bd1027803:python/utils/dataloader.py;
+# PaddlePaddle @f292e739dcd38a4a767a94a5acf21fd77643f4ab:paddle/utils/dataloader.py:43-50): MNIST [-1, 1];
+# CIFAR-10 its own mean/std; GTSRB none; Tiny-ImageNet ImageNet's. The presets paper=lira/cifar10_first_release
+# and lira/cifar10_paddle convert those commands' values with it.
+LIRA_SUNBELBD_STD: dict[str, tuple[float, ...] | None] = {
     "mnist": (0.5,),
     "cifar10": (0.247, 0.243, 0.261),
     "gtsrb": None,
@@ -32,7 +44,8 @@ INPUT_AWARE_STD: dict[str, tuple[float, ...] | None] = {
     "gtsrb": None,
     "tiny_imagenet": (0.229, 0.224, 0.225),
 }
-SOURCES: dict[str, dict[str, tuple[float, ...] | None]] = {"lira": LIRA_STD, "input_aware": INPUT_AWARE_STD}
+SOURCES: dict[str, dict[str, tuple[float, ...] | None]] = {
+    "lira": LIRA_STD, "lira_sunbelbd": LIRA_SUNBELBD_STD, "input_aware": INPUT_AWARE_STD}
 
 
 def to_pixels(value: float, std: tuple[float, ...] | None) -> float:

@@ -156,3 +156,21 @@ def test_the_record_names_the_precision_it_ran_in(tiny_results):
     record, _ = runs["strip"]
     assert record.config["trainer"]["precision"] == "auto"
     assert record.env["precision"] == "fp32"  # auto on the CPU
+
+
+def test_a_trigger_below_bf16s_step_warns_once_in_one_line():
+    """bf16 rounds a bright pixel in steps of 1/256: a 0.0025 px trigger (LIRA's CIFAR-10 eps) is
+    lost on many pixels there, and a run forced to bf16 says so; at fp32/tf32, or a trigger above
+    the step, nothing is said."""
+    from backdoorbench.precision import BF16_PIXEL_STEP, bf16_warning
+
+    x = torch.linspace(0.5, 0.999, 1000)
+    lost = (x + 0.0025).bfloat16() == x.bfloat16()
+    assert float(lost.float().mean()) > 0.3  # the property the warning rests on
+    assert not bool(((x + 2 * BF16_PIXEL_STEP).bfloat16() == x.bfloat16()).any())
+    line = bf16_warning("lira", "bf16", "fp32", 0.0025)
+    assert "\n" not in line and "0.0025 px" in line and "0.003906 px" in line and "fp32 or tf32" in line
+    assert bf16_warning("lira", "fp32", "fp32", 0.0025) is None and bf16_warning("lira", "tf32", "fp32", 0.0025) is None
+    assert "needs fp32" in bf16_warning("wb", "bf16", "fp32", 0.05)  # above the step, but declared fp32-only
+    assert bf16_warning("badnets", "bf16", "bf16", None) is None
+    assert bf16_warning("blended", "bf16", "bf16", 0.2) is None

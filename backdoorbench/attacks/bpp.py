@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from backdoorbench import checks
-from backdoorbench.attacks.base import Attack, PoisonedData, choose_unpoisoned
+from backdoorbench.attacks.base import Attack, PoisonedData, StepWrapper, choose_unpoisoned
 from backdoorbench.datasets.base import Split, to_float, to_uint8
+from backdoorbench.errors import ConfigError
+
+# BppAttack's training augmentation, its PostTensorTransform (docs/fidelity.md#bpp): crop after 5 px
+# of padding, rotation within +-10 degrees on a quarter of the images (one coin per batch at 0.5,
+# around kornia's RandomRotation, whose own coin per image is 0.5).
+OFFICIAL_AUGMENT = MappingProxyType({"crop_padding": 5, "rotation": 10.0, "rotation_p": 0.25})
 
 
 def quantize(x: Tensor, levels: int) -> Tensor:
@@ -56,22 +67,35 @@ class Bpp(Attack):
     images are relabelled by the target rule. Negative samples (a `neg_ratio` fraction of the
     other training images) get the quantization residual Q(x_j) - x_j of a random other image
     added, and KEEP their label, so the network learns that only a true quantization triggers.
+    A dithered image is rounded to 8 bits, at test time as in training, as the official code
+    rounds it (`torch.round` of the dithered 0-255 image): every triggered image, stored or not,
+    is an image file's pixels.
+
+    The victim trains with the official augmentation, `augment` (BppAttack's PostTensorTransform,
+    `--random_crop 5 --random_rotation 10`, also BackdoorBench's attack/bpp.py values): a crop
+    after 5 px of zero padding and a rotation within +-10 degrees on a quarter of the images, in
+    place of the trainer's crop (the dataset's padding) and rotation (off); the trainer's flips
+    (the dataset's) and `trainer.augment` still apply. A null entry, or `augment` null, leaves the
+    trainer's value.
 
     Departures: the official code poisons `injection_rate` of every batch afresh during training
     (so every image is poisoned in some epoch) and builds negatives the same way; we choose the
     poisoned and negative images once, before training, like every data-poisoning attack here, so
     the poisoned indices are fixed and recorded (data-detection defenses are scored on them) and
     the one trainer needs no special hook. The paper's contrastive adversarial learning is
-    represented by these residual negatives, as in the official code; the official random
-    rotation augmentation is the trainer's business and not added. Negatives are not counted in
-    the poisoned indices (they carry no backdoor label); they are in `negative_indices`.
+    represented by these residual negatives, as in the official code. Negatives are not counted in
+    the poisoned indices (they carry no backdoor label); they are in `negative_indices`. The crop
+    is drawn for every image (the official code crops 0.8 of the batches) and the rotation coin per
+    image (the official: one coin per batch, then one per image), with black padding where the
+    official pads the normalised image with zeros. Without dithering the official training
+    images keep the float levels k * 255 / (squeeze_num - 1); ours are stored as 8-bit pixels.
     Official defaults (config.py): squeeze_num 8, injection 0.2, neg 0.2, dithering off; its README
     command runs squeeze_num 32. The dithering flag is argparse `type=bool`, so any value given on
     the command line, even `--dithering False`, turns it on: it can be turned on, never off once
-    passed. The paper's method dithers, and so do we by default. The class default keeps 8
-    levels; conf/attack/bpp.yaml uses 2, because MNIST digits are nearly binary and 8 levels
-    change few of their pixels (on mnist5k, 10 epochs: ASR 1.9% with 8, 99% with 2). Every value
-    against its source: docs/fidelity.md#bpp.
+    passed. The paper's method dithers, and so do we by default. The quick protocol on mnist5k
+    squeezes to 2 levels (`protocol.methods.bpp.squeeze_num`), because MNIST digits are nearly
+    binary and 8 levels change few of their pixels. Every value against its source:
+    docs/fidelity.md#bpp.
     """
 
     name = "bpp"
@@ -83,6 +107,7 @@ class Bpp(Attack):
         dithering: bool = True,
         neg_ratio: float = 0.1,
         batch_size: int = 1024,
+        augment: Mapping[str, Any] | None = OFFICIAL_AUGMENT,
         **common,
     ) -> None:
         super().__init__(**common)
@@ -92,10 +117,37 @@ class Bpp(Attack):
         self.dithering = bool(dithering)
         self.neg_ratio = float(neg_ratio)
         self.batch_size = batch_size
+        self.augment = _augmentation({} if augment is None else augment)
         self.negative_indices = torch.empty(0, dtype=torch.int64)
 
     def apply_trigger(self, x: Tensor) -> Tensor:
-        return floyd_steinberg(x, self.squeeze_num) if self.dithering else quantize(x, self.squeeze_num)
+        if not self.dithering:  # already on the levels k / (squeeze_num - 1), as the official test images
+            return quantize(x, self.squeeze_num)
+        # The official code rounds the dithered 0-255 image to integers, at test time as in training.
+        return floyd_steinberg(x, self.squeeze_num).mul_(255).round_().div_(255)
+
+    def train_victim(
+        self,
+        trainer,
+        model,
+        train: Split,
+        generator: torch.Generator,
+        wrap_step: StepWrapper | None = None,
+        checkpoint: str | None = None,
+    ) -> None:
+        """Train as `Attack.train_victim` does, with BppAttack's crop and rotation (`augment`)."""
+        super().train_victim(self.victim_trainer(trainer), model, train, generator, wrap_step=wrap_step,
+                             checkpoint=checkpoint)
+
+    def victim_trainer(self, trainer):
+        """A shallow copy of `trainer` whose crop padding and rotation are `augment`'s non-null values."""
+        changed = {key: value for key, value in self.augment.items() if value is not None}
+        if not changed:
+            return trainer
+        victim = copy.copy(trainer)
+        for key, value in changed.items():
+            setattr(victim, key, value)
+        return victim
 
     def _triggered(self, x: Tensor) -> Tensor:
         return torch.cat([self.apply_trigger(x[s : s + self.batch_size]) for s in range(0, len(x), self.batch_size)]) \
@@ -135,4 +187,23 @@ class Bpp(Attack):
             "dithering": self.dithering,
             "neg_ratio": self.neg_ratio,
             "n_negative": int(len(self.negative_indices)),
+            "augment": dict(self.augment),
         }
+
+
+def _augmentation(augment: Mapping[str, Any]) -> dict[str, Any]:
+    """`attack.augment` checked: crop_padding (px), rotation (degrees), rotation_p; null = the trainer's."""
+    if not isinstance(augment, Mapping):
+        raise ConfigError(f"attack.augment={augment!r} is invalid; use a mapping with crop_padding, rotation and "
+                          f"rotation_p (the official {dict(OFFICIAL_AUGMENT)}), or null for the trainer's")
+    unknown = sorted(set(augment) - set(OFFICIAL_AUGMENT))
+    if unknown:
+        raise ConfigError(f"attack.augment has unknown key(s) {unknown}; use {', '.join(OFFICIAL_AUGMENT)}")
+    out = {key: augment.get(key) for key in OFFICIAL_AUGMENT}
+    out["crop_padding"] = checks.integer("attack", "augment.crop_padding", out["crop_padding"], 0, allow_none=True,
+                                         hint="px; the official 5")
+    out["rotation"] = checks.number("attack", "augment.rotation", out["rotation"], 0, 180, allow_none=True,
+                                    hint="degrees; the official 10, 0 = off")
+    out["rotation_p"] = checks.number("attack", "augment.rotation_p", out["rotation_p"], 0, 1, allow_none=True,
+                                      hint="the share of images rotated; the official 0.25")
+    return out

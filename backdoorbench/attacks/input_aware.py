@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from backdoorbench import checks, distributed
 from backdoorbench.attacks.base import StepWrapper, TrainingAttack
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.precision import precision_context
 from backdoorbench.progress import track
 
 log = logging.getLogger(__name__)
@@ -134,16 +134,33 @@ class InputAware(TrainingAttack):
     it was made for), and the pattern generator is trained with its own Adam optimizer on the
     classification loss plus `lambda_div` times the diversity loss. Defaults are the paper's.
 
+    As the official train.py: the pattern generator's gradient is never zeroed during the joint
+    training (only the classifier's is, `optimizerC.zero_grad()`), so its Adam steps on the running
+    sum of every batch's gradient so far (`sum_generator_grads`, default true; false zeroes it
+    after each step, which on mnist5k in 10 victim epochs planted the backdoor far faster:
+    docs/fidelity.md#input-aware); the batch's attack and cross counts are
+    int(rate * batch), floored; and the epoch count includes the mask pre-training
+    (`epochs_include_mask`, default true): `trainer.epochs` plays the official `n_iters` (600, of
+    which 25 pre-train the mask), the victim trains `trainer.epochs - mask_epochs` joint epochs
+    (at least one, as the official loop), and the generator's and classifier's learning-rate
+    schedules run against `trainer.epochs`, one step per joint epoch, as the official
+    MultiStepLRs do (the generator's milestones [200, 300, 400, 500] of 600 are our fractions
+    [1/3, 1/2, 2/3, 5/6]; a cosine with `trainer.schedule_period` keeps that period).
+    `epochs_include_mask: false` trains `trainer.epochs` joint epochs after the pre-training.
+
+    Precision: both generators compute in fp32 (autocast off, no TF32) wherever they run: in the
+    training step, inside the run's autocast, and at test, where `Trainer.predict` applies the
+    trigger outside it. Under bf16 the triggers of training and test would otherwise differ (the
+    official code trains in fp32); the classifier still sees them in the run's precision.
+
     Departures from the official code: cross-trigger source images are other rows of the same
-    batch (the official code draws them from a second shuffled loader); the pattern
-    generator's gradient is zeroed every step (the official code never zeroes it, so Adam sees
-    the running sum of all past gradients); its learning-rate milestones and the mask
-    generator's are fractions of the training (official: epochs [200, 300, 400, 500] of 600 and
-    [10, 20] of 25); the generators see [0, 1] images rather than normalized ones (their first
-    batch norm absorbs the affine change) and the pattern lives in [0, 1] pixels (the diversity
-    loss still measures in the official normalisation, see above); each call of
-    `train_victim` restarts the pattern generator from its seeded initialization, so a defense
-    that retrains a victim repeats the whole attack.
+    batch (the official code draws them from a second shuffled loader); the mask generator's
+    milestones are fractions of its pre-training (official: epochs [10, 20], the same at 25); the
+    generators see [0, 1] images rather than normalized ones (their first batch norm absorbs the
+    affine change) and the pattern lives in [0, 1] pixels (the diversity loss still measures in
+    the official normalisation, see above); each call of `train_victim` restarts the pattern
+    generator from its seeded initialization (and a zero gradient), so a defense that retrains a
+    victim repeats the whole attack.
 
     Training budget: the cross-trigger rows are what take long to learn (the classifier must check
     that a trigger belongs to its image). On mnist5k with mnist_cnn (4,000 training images, 32
@@ -153,7 +170,9 @@ class InputAware(TrainingAttack):
     unaugmented epochs and 83.2% after 200; with 25, 87.4% and 92.1%. With 25 mask epochs and 200
     unaugmented epochs, seeds 0 / 1 / 2 reach 97.9 / 92.6 / 92.1% (all2one) and, at rho_b = 0.2,
     96.7 / 91.4 / 92.0% (all2all), CA within 0.6 points of the clean control (these numbers predate the
-    normalised diversity loss, which on mnist5k doubles the mask pre-training's diversity term). The committed table
+    normalised diversity loss, which on mnist5k doubles the mask pre-training's diversity term; all of
+    this paragraph's predate the official epoch count, summed gradient and floored counts: they trained
+    `trainer.epochs` victim epochs after the mask, on per-step gradients). The committed table
     (results/README.md) states the epochs of each row.
 
     Augmentation: the trainer's, on the batch before the triggers are stamped (the official code
@@ -179,6 +198,8 @@ class InputAware(TrainingAttack):
         channels: int | None = None,
         depth: int | None = None,
         diversity_std: str | float | Sequence[float] | None = "official",
+        epochs_include_mask: bool = True,
+        sum_generator_grads: bool = True,
         seed: int = 0,
         **common,
     ) -> None:
@@ -197,6 +218,12 @@ class InputAware(TrainingAttack):
         for key, value in (("generator_lr", generator_lr), ("mask_lr", mask_lr), ("lr_gamma", lr_gamma)):
             checks.number("attack", key, value, 0, low_open=True)
         checks.integer("attack", "mask_epochs", mask_epochs, 0, hint="the paper uses 25")
+        if not isinstance(epochs_include_mask, bool):
+            raise ConfigError(f"attack.epochs_include_mask={epochs_include_mask!r} is invalid; use true (trainer.epochs "
+                              f"counts the mask pre-training, as the official n_iters) or false")
+        if not isinstance(sum_generator_grads, bool):
+            raise ConfigError(f"attack.sum_generator_grads={sum_generator_grads!r} is invalid; use true (the official "
+                              f"never-zeroed gradient) or false (each batch's own)")
         for key, milestones in (("generator_milestones", generator_milestones), ("mask_milestones", mask_milestones)):
             if not isinstance(milestones, Sequence) or isinstance(milestones, str) or any(
                 not checks.is_number(m) or not 0 < m <= 1 for m in milestones
@@ -220,6 +247,8 @@ class InputAware(TrainingAttack):
         self.lambda_norm = float(lambda_norm)
         self.mask_density = float(mask_density)
         self.mask_epochs = mask_epochs
+        self.epochs_include_mask = epochs_include_mask
+        self.sum_generator_grads = sum_generator_grads
         self.generator_lr = float(generator_lr)
         self.mask_lr = float(mask_lr)
         self.generator_milestones = tuple(float(m) for m in generator_milestones)
@@ -238,7 +267,8 @@ class InputAware(TrainingAttack):
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_update = False
         self._steps_done = 0
-        self._total_steps = 0
+        self._steps_per_epoch = 1  # joint-training batches per epoch
+        self._schedule_epochs = 1  # the epochs the generator's milestones are fractions of
 
     def _diversity_std(self, value, channels: int) -> tuple[float, ...] | None:
         """The per-channel std of the images' normalisation in the diversity loss (None: pixels)."""
@@ -273,8 +303,15 @@ class InputAware(TrainingAttack):
             self.mask_generator.to(device)
 
     def masks(self, x: Tensor) -> Tensor:
-        """The thresholded masks (B, 1, H, W) in [0, 1] of inputs x."""
-        return threshold_mask(self.mask_generator(x))
+        """The thresholded masks (B, 1, H, W) in [0, 1] of inputs x, computed in fp32."""
+        with precision_context(x.device.type, "fp32"):
+            return threshold_mask(self.mask_generator(x.float()))
+
+    def patterns(self, x: Tensor) -> Tensor:
+        """The patterns (B, C, H, W) in [0, 1] of inputs x, computed in fp32 (autocast off, no
+        TF32), so training (inside the run's autocast) and test (outside it) stamp the same trigger."""
+        with precision_context(x.device.type, "fp32"):
+            return self.pattern_generator(x.float())
 
     @torch.no_grad()
     def apply_cross(self, x: Tensor, sources: Tensor) -> Tensor:
@@ -282,7 +319,7 @@ class InputAware(TrainingAttack):
         self._nets_to(x.device)
         self.pattern_generator.eval()
         self.mask_generator.eval()
-        return blend(x, self.pattern_generator(sources), self.masks(sources)).to(x.dtype)
+        return blend(x.float(), self.patterns(sources), self.masks(sources)).to(x.dtype)
 
     def apply_trigger(self, x: Tensor) -> Tensor:
         return self.apply_cross(x, x)
@@ -352,8 +389,9 @@ class InputAware(TrainingAttack):
         The i-th source is also the partner of the i-th attack row in the diversity loss, so it
         is never that attack row either (a pair of equal images says nothing about diversity).
         """
-        n_attack = min(round(self.poison_rate * batch_size), batch_size)
-        n_cross = min(round(self.cross_rate * batch_size), batch_size - n_attack)
+        # floored, as the official train.py: num_bd = int(p_attack * bs), num_cross = int(p_cross * bs)
+        n_attack = min(int(self.poison_rate * batch_size), batch_size)
+        n_cross = min(int(self.cross_rate * batch_size), batch_size - n_attack)
         if batch_size < 3:
             n_cross = 0  # too few images to lend each cross row a trigger from a third one
         order = torch.randperm(batch_size, generator=self.batch_generator)
@@ -379,11 +417,11 @@ class InputAware(TrainingAttack):
         if len(attack) + len(cross) == 0:
             return images, labels, x.new_zeros(())
         makers = torch.cat([x[attack], x[sources]])  # the images whose triggers are generated
-        patterns = self.pattern_generator(makers)
+        patterns = self.patterns(makers)  # fp32, as apply_trigger's at test
         with torch.no_grad():
             masks = self.masks(makers)  # frozen after pre-training
         n = len(attack)
-        # .to(dtype): under bf16 autocast the generator's output must match the batch's dtype.
+        # .to(dtype): the images keep the batch's dtype.
         images[attack] = blend(x[attack], patterns[:n], masks[:n]).to(images.dtype)
         images[cross] = blend(x[cross], patterns[n:], masks[n:]).to(images.dtype)
         # The paper pairs the i-th attack image with the i-th cross source; without cross rows,
@@ -400,36 +438,58 @@ class InputAware(TrainingAttack):
             div = x.new_zeros(())
         return images, labels, div
 
-    def _start_joint_training(self, total_steps: int) -> None:
+    def _start_joint_training(self, steps_per_epoch: int = 1, schedule_epochs: int = 1) -> None:
+        """A fresh pattern generator, zero gradient and Adam; its lr milestones are fractions of
+        `schedule_epochs` epochs of `steps_per_epoch` batches."""
         self.pattern_generator.load_state_dict(self._initial_pattern_state)
         self.pattern_generator.requires_grad_(True)
+        for param in self.pattern_generator.parameters():
+            param.grad = None
         self._optimizer = torch.optim.Adam(self.pattern_generator.parameters(), lr=self.generator_lr, betas=(0.5, 0.9))
         self._pending_update = False
         self._steps_done = 0
-        self._total_steps = total_steps
+        self._steps_per_epoch = max(int(steps_per_epoch), 1)
+        self._schedule_epochs = max(int(schedule_epochs), 1)
+
+    def generator_lr_at(self, epoch: int) -> float:
+        """The pattern generator's lr in joint epoch `epoch` (0-based), stepped once an epoch as the
+        official MultiStepLR: x lr_gamma at each milestone (a fraction of the schedule's epochs)."""
+        progress = epoch / self._schedule_epochs
+        return self.generator_lr * self.lr_gamma ** sum(progress >= m - 1e-9 for m in self.generator_milestones)
+
+    def joint_epochs(self, epochs: int) -> int:
+        """The victim's epochs when the run has `epochs`: with `epochs_include_mask` the official
+        count (train.py: n_iters counts the 25 mask epochs, and the joint loop runs at least once)."""
+        if not self.epochs_include_mask:
+            return epochs
+        return max(epochs - self.mask_epochs, min(epochs, 1))
 
     def _update_generator(self) -> None:
-        """Apply the gradient that the trainer's backward left on the pattern generator.
+        """Step the pattern generator on the gradient the trainer's backward accumulated on it.
 
         The trainer steps only the classifier's optimizer, so the generator's step is taken here,
-        before the next batch's forward pass, with its own Adam and schedule.
+        before the next batch's forward pass, with its own Adam and schedule. The gradient is not
+        zeroed (`sum_generator_grads`): as in the official train_step (`optimizerC.zero_grad()`
+        only, then `optimizerG.step()`), each step sees the sum of every batch's gradient so far;
+        with `sum_generator_grads: false` it is zeroed after each step.
         """
         if not self._pending_update or self._optimizer is None:
             return
-        progress = self._steps_done / max(self._total_steps, 1)
-        lr = self.generator_lr * self.lr_gamma ** sum(progress >= m for m in self.generator_milestones)
+        lr = self.generator_lr_at(self._steps_done // self._steps_per_epoch)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
-        # Under torchrun each process saw its own share of the batch: average, as DDP does for f.
+        # Under torchrun each process saw its own share of the batch: average, as DDP does for f
+        # (the sum so far is the same on every process, so the average adds the mean new gradient).
         distributed.average_gradients(self.pattern_generator.parameters())
         self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
+        if not self.sum_generator_grads:
+            self._optimizer.zero_grad(set_to_none=True)
         self._pending_update = False
         self._steps_done += 1
 
     def training_step(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self._optimizer is None:
-            self._start_joint_training(total_steps=0)
+            self._start_joint_training()
         self._nets_to(x.device)
         self._update_generator()
         self.pattern_generator.train()
@@ -445,14 +505,45 @@ class InputAware(TrainingAttack):
     ) -> None:
         if not self.mask_ready:
             raise RuntimeError("InputAware.prepare() must pre-train the mask generator before train_victim()")
+        from backdoorbench.train import batch_bounds
+
         self.batch_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
-        self._start_joint_training(total_steps=trainer.epochs * math.ceil(len(train) / trainer.batch_size))
+        joint = self._joint_trainer(trainer)
+        steps = len(batch_bounds(len(train), trainer.batch_size, min_last=2 * distributed.world_size()))
+        self._start_joint_training(steps_per_epoch=steps,
+                                   schedule_epochs=trainer.epochs if self.epochs_include_mask else joint.epochs)
         self._nets_to(trainer.device)
-        super().train_victim(trainer, model, train, generator, wrap_step=wrap_step, checkpoint=checkpoint)
-        self._update_generator()  # the last batch's gradient
+        super().train_victim(joint, model, train, generator, wrap_step=wrap_step, checkpoint=checkpoint)
+        self._update_generator()  # the last batch's step
+        for param in self.pattern_generator.parameters():
+            param.grad = None  # the summed gradient is spent
         distributed.broadcast_state(self.pattern_generator)  # under torchrun: rank 0's batch-norm statistics
         self.pattern_generator.eval()
         self._optimizer = None
+
+    def _joint_trainer(self, trainer):
+        """`trainer`, or with `epochs_include_mask` a copy that trains the official joint epochs
+        (`joint_epochs`) on the schedule of the whole `trainer.epochs`: the classifier's lr in joint
+        epoch e is the one epoch e of a trainer.epochs run has, as the official schedulerC
+        (milestones in joint epochs against n_iters) and BackdoorBench's cosine give."""
+        total = trainer.epochs
+        epochs = self.joint_epochs(total)
+        if epochs == total:
+            return trainer
+        if total <= self.mask_epochs:
+            log.warning("input_aware: trainer.epochs=%d counts the %d mask pre-training epochs (the official n_iters "
+                        "does), which leaves %d victim epoch(s); use trainer.epochs > %d, or "
+                        "attack.epochs_include_mask=false for trainer.epochs victim epochs after the mask",
+                        total, self.mask_epochs, epochs, self.mask_epochs)
+        view = copy.copy(trainer)
+        view.epochs = epochs
+        # Trainer.fit takes the factor of epoch e as schedule(e / period), period its epochs unless a
+        # cosine names trainer.schedule_period; rescale so that it stays schedule(e / total).
+        if trainer.schedule is not None and not (trainer.schedule_name == "cosine" and trainer.schedule_period):
+            schedule = trainer.schedule
+            # fit passes e / epochs for whole e: round back to e, so no milestone moves by a rounding
+            view.schedule = lambda fraction: schedule(round(fraction * epochs) / total)
+        return view
 
     def describe(self) -> dict:
         return {**super().describe(), "diversity_std": list(self.diversity_std) if self.diversity_std else None}
@@ -460,8 +551,8 @@ class InputAware(TrainingAttack):
     # ------------------------------------------------------------------ state
 
     def training_state(self) -> dict[str, Any]:
-        # The last batch's gradient is still on the pattern generator (applied before the next
-        # batch's forward), so it is saved too; the mask generator is frozen by then.
+        # The summed gradient is on the pattern generator (the last batch's step is taken before
+        # the next batch's forward), so it is saved too; the mask generator is frozen by then.
         params = list(self.pattern_generator.parameters())
         return {
             "pattern_generator": {k: v.detach().cpu().clone() for k, v in self.pattern_generator.state_dict().items()},
@@ -469,7 +560,8 @@ class InputAware(TrainingAttack):
             "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
             "pending_update": self._pending_update,
             "steps_done": self._steps_done,
-            "total_steps": self._total_steps,
+            "steps_per_epoch": self._steps_per_epoch,
+            "schedule_epochs": self._schedule_epochs,
             "batch_generator": self.batch_generator.get_state(),
         }
 
@@ -484,7 +576,8 @@ class InputAware(TrainingAttack):
             self._optimizer.load_state_dict(state["optimizer"])
         self._pending_update = bool(state["pending_update"])
         self._steps_done = int(state["steps_done"])
-        self._total_steps = int(state["total_steps"])
+        self._steps_per_epoch = int(state.get("steps_per_epoch", self._steps_per_epoch))
+        self._schedule_epochs = int(state.get("schedule_epochs", self._schedule_epochs))
         self.batch_generator.set_state(state["batch_generator"])
 
     def prepare_state(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -32,13 +33,16 @@ def ghost_reflection(r: Tensor, offset: tuple[int, int], weight: float) -> Tenso
 
 def gaussian_blur(r: Tensor, sigma: float) -> Tensor:
     """Focal blur: `r` (C, H, W) convolved with a Gaussian of std `sigma` px (radius 2 sigma, as
-    the official code's kernel size 2 * ceil(2 sigma) + 1), edges replicated."""
+    the official code's kernel size 2 * ceil(2 sigma) + 1), edges mirrored without repeating the
+    edge pixel (cv2.GaussianBlur's default border, BORDER_REFLECT_101; replicated where the kernel
+    is wider than the image)."""
     radius = max(1, math.ceil(2 * sigma))
     taps = torch.arange(-radius, radius + 1, dtype=r.dtype)
     kernel = torch.exp(-(taps**2) / (2 * sigma**2))
     kernel = kernel / kernel.sum()
     channels = r.shape[0]
-    x = F.pad(r.unsqueeze(0), (radius, radius, radius, radius), mode="replicate")
+    mode = "reflect" if radius < min(r.shape[-2:]) else "replicate"
+    x = F.pad(r.unsqueeze(0), (radius, radius, radius, radius), mode=mode)
     x = F.conv2d(x, kernel.view(1, 1, 1, -1).expand(channels, 1, 1, -1), groups=channels)
     x = F.conv2d(x, kernel.view(1, 1, -1, 1).expand(channels, 1, -1, 1), groups=channels)
     return x.squeeze(0)
@@ -93,18 +97,23 @@ class Refool(Attack):
 
     Each image gets a fresh draw of (source, model, alpha_t, offset, weight, sigma, darkening), as
     the official code calls `blend_images` per image: poisoned training images from the run's
-    poisoning generator, test-time images from the attack's own seeded generator (so a run is
-    reproducible, and test triggers are not the training ones).
+    poisoning generator; a test-time image from a generator seeded by `seed` and its own pixels, so
+    the triggered test set is one fixed draw (as BackdoorBench stores its backdoored test set once):
+    the attacked and the defended model, and every detector, meet the same triggered images.
+
+    The ghost offsets (3-8 px per axis) and blur sigmas (1-5 px) are the official `blend_images`
+    ranges, in pixels of the image they are applied to. The official code applies them at 560 px
+    (it resizes every image to a longer side of `max_image_size=560` first), where they are a
+    fraction of a pixel of a 32 px image; BackdoorBench passes `max_image_size` = the image size,
+    so they apply at 28-64 px unchanged. We follow BackdoorBench: we blend at the dataset's
+    resolution, with no resize round trip and no crop-and-re-enlarge of the ghost copy.
 
     Departures: the paper picks its reflection images from a large photo set by their attack
     strength on a surrogate (adversarial reflection selection); we use a fixed handful of
-    scikit-image samples (offline). The official code blends at 560 px and resizes; we blend at
-    the dataset's resolution, so the ghost offsets (px) and blur sigmas (px) are scaled to small
-    images (the official 3-8 px offsets and sigma 1-5 at 560 px would vanish at 32 px), and the
-    ghost copy is not cropped and re-enlarged. The model is drawn uniformly from `models` (the
-    official code: ghost with probability 0.49). Target modes: clean-label all2all is not
-    meaningful (labels are kept, so the trigger can't teach y -> y+1) and raises a ConfigError;
-    use clean_label=false for all2all.
+    scikit-image samples (offline). The official 560 px blend (above). The model is drawn
+    uniformly from `models` (the official code: ghost with probability 0.49). Target modes:
+    clean-label all2all is not meaningful (labels are kept, so the trigger can't teach y -> y+1)
+    and raises a ConfigError; use clean_label=false for all2all.
     """
 
     name = "refool"
@@ -116,9 +125,9 @@ class Refool(Attack):
         reflections: Sequence[str] = DEFAULT_REFLECTIONS,
         models: Sequence[str] = ("ghost", "focal_blur"),
         alpha_t: Sequence[float] = (0.55, 0.95),
-        ghost_offset: Sequence[int] = (1, 3),
+        ghost_offset: Sequence[int] = (3, 8),
         ghost_weight: Sequence[float] = (0.15, 0.5),
-        blur_sigma: Sequence[float] = (0.5, 1.5),
+        blur_sigma: Sequence[float] = (1.0, 5.0),
         gamma: float = 2.2,
         clean_label: bool = True,
         poison_rate: float | None = None,
@@ -151,8 +160,6 @@ class Refool(Attack):
         self.seed = seed
         self.sources = torch.stack([load_pattern(spec, self.image_shape, seed=seed) for spec in reflections]) ** self.gamma
         self.mask = vignette(height, width)
-        # Test-time draws: their own stream, so evaluating never depends on how training was poisoned.
-        self._test_generator = torch.Generator().manual_seed(seed)
 
     def draw(self, generator: torch.Generator) -> dict:
         """One image's reflection: source, model and that model's parameters."""
@@ -192,9 +199,23 @@ class Refool(Attack):
             return x.clone()
         return torch.stack([self.reflect(image, self.draw(generator)) for image in x])
 
+    def test_generator(self, image: Tensor) -> torch.Generator:
+        """The generator of one test-time image's reflection: seeded by `seed` and the image's
+        pixels (as uint8), so an image gets the same reflection at every call, in any batch, order
+        or process, and different images get independent draws."""
+        pixels = (image.detach().float().clamp(0.0, 1.0) * 255).round().to(torch.uint8).cpu().contiguous()
+        digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=8, key=str(self.seed).encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
     def apply_trigger(self, x: Tensor) -> Tensor:
-        """Test-time trigger: a fresh reflection per image from the attack's seeded test stream."""
-        return self.trigger_with(x, self._test_generator)
+        """Test-time trigger: one fixed reflection per image (`test_generator`), blended in fp32
+        outside any autocast, so every evaluation of a test set (attacked model, defended model,
+        detectors) sees the same triggered images."""
+        if len(x) == 0:
+            return x.clone()
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            out = torch.stack([self.reflect(image.float(), self.draw(self.test_generator(image))) for image in x])
+        return out.to(x.dtype)
 
     def poison_dataset(self, train: Split, generator: torch.Generator, batch_size: int = 1024) -> PoisonedData:
         """A fresh reflection per poisoned training image, drawn from the run's poisoning stream."""

@@ -35,8 +35,19 @@ class SIG(Attack):
     Target modes: the paper is all2one only. A clean-label all2all backdoor is not meaningful:
     one trigger would have to send every class y to y + 1, but poisoned images keep their label,
     so the trigger only ever co-occurs with y -> y. With `clean_label=True` and all2all we raise
-    a ConfigError; `clean_label=False` gives the dirty-label variant (sinusoid on non-target images,
-    relabelled by the target rule), which is what BackdoorBench silently runs for SIG all2all.
+    a ConfigError; `clean_label=False` gives the dirty-label variant: `poison_rate` (null = 0.1)
+    of the whole training set, drawn from every class, target class included, carries the
+    sinusoid and is relabelled by the target rule (an all2one target-class image keeps its label).
+    That is what BackdoorBench runs for SIG all2all (attack/sig.py passes clean_label=True, which
+    utils/backdoor_generate_poison_index.py ignores for all2all: round(pratio * N) of all images,
+    relabelled y + 1) and how it draws every dirty-label all2one attack ("no need to avoid target
+    class img"); docs/fidelity.md#shared-rules.
+
+    Stored pixels are rounded to the nearest 8-bit level (`to_uint8`), where BackdoorBench
+    truncates (`np.uint8` of the float sum, which also takes one level off column W/2, where its
+    float sin(6 pi) is just below 0); test-time triggered images stay float, where BackdoorBench
+    stores them as truncated 8-bit images too. A recorded departure: CA and ASR on mnist5k move by
+    one test image (docs/fidelity.md#sig).
     """
 
     name = "sig"

@@ -69,11 +69,14 @@ class WaNet(TrainingAttack):
     augmentation (docs/fidelity.md#wanet). All-to-all uses the shared rule y -> (y + 1) mod C, as
     the official code has since 2022 (before, `remainder(y, C)` left labels unchanged).
 
+    Each batch of B images has int(B * poison_rate) warped rows and int(that * cross_ratio)
+    noise-mode rows, floored as in the official train.py.
+
     Departures from the official code: rows to poison are drawn at random from each batch
-    (the official code takes the first rows of a shuffled batch, the same in distribution) and
-    counts are rounded, not floored; the augmentation draws its crop for each image (official: a
-    coin with p = 0.8 for the whole batch), pads and rotates with black pixels (official: zeros of
-    the normalised image, the mean colour on CIFAR-10); for non-square images the x and y
+    (the official code takes the first rows of a shuffled batch, the same in distribution); the
+    augmentation draws its crop for each image (official: a coin with p = 0.8 for the whole
+    batch), pads and rotates with black pixels (official: zeros of the normalised image, the mean
+    colour on CIFAR-10); for non-square images the x and y
     displacements are scaled by the width and the height (the official code uses the height for
     both).
     """
@@ -136,8 +139,9 @@ class WaNet(TrainingAttack):
     def plan_batch(self, batch_size: int) -> WarpPlan:
         """Draw the warped and noise-mode rows of one batch from `batch_generator`."""
         _, height, width = self.image_shape
-        n_poisoned = min(round(self.poison_rate * batch_size), batch_size)
-        n_noisy = min(round(self.cross_ratio * self.poison_rate * batch_size), batch_size - n_poisoned)
+        # floored, as the official train.py: num_bd = int(bs * pc), num_cross = int(num_bd * cross_ratio)
+        n_poisoned = min(int(batch_size * self.poison_rate), batch_size)
+        n_noisy = min(int(n_poisoned * self.cross_ratio), batch_size - n_poisoned)
         order = torch.randperm(batch_size, generator=self.batch_generator)
         noise = torch.rand(n_noisy, height, width, 2, generator=self.batch_generator) * 2 - 1
         return WarpPlan(order[:n_poisoned], order[n_poisoned : n_poisoned + n_noisy], noise)

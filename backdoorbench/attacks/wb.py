@@ -71,7 +71,11 @@ class WB(LIRA):
     TrojanZoo fork TDteach/trojanzoo; docs/fidelity.md#wb names the commits): the generator
     minimizes CE(f(T(x)), target) + the mean over the C rows w_c of the last layer of
     W_1(w_c . F(x), w_c . F(T(x))), with the WHOLE clean batch as the reference, and the
-    classifier's step is LIRA's combined loss without it. Where we depart, and why:
+    classifier's step is LIRA's combined loss without it. A third, vtu81/backdoor-toolbox's
+    `other_attacks_tool_box/WB.py` (CIFAR-10 only), has the same term but replaces the image by
+    the U-Net's output with no eps bound, alternates whole epochs and weighs the classifier's
+    losses 0.8 / 0.2; we keep LIRA's bounded noise, per-batch alternation and alpha (the
+    comparison, row by row: docs/fidelity.md#wb). Where we depart, and why:
     - Reference set (`latent_reference`): `target_class` (default) compares the features of
       triggered samples with target t against CLEAN latents of class t (per target class,
       weighted by the triggered count; all2all groups by target). The classifier must send

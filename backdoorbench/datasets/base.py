@@ -82,5 +82,9 @@ def to_float(images: Tensor) -> Tensor:
 
 
 def to_uint8(images: Tensor) -> Tensor:
-    """float [0, 1] -> uint8 [0, 255], rounding to the nearest level as saving an image file would."""
+    """float [0, 1] -> uint8 [0, 255], rounding to the nearest level as saving an image file would.
+
+    BackdoorBench truncates instead (`np.uint8` / `astype(np.uint8)` of its float poisoned images),
+    so its stored pixels are up to one level darker; a recorded departure, measured in
+    docs/fidelity.md#sig and #blended (no change of CA or ASR beyond one test image on mnist5k)."""
     return images.clamp(0.0, 1.0).mul(255.0).round_().to(torch.uint8)

@@ -62,9 +62,11 @@ class AntiBackdoorLearning(Defense):
     Nesterov, weight decay 1e-4, batch 128): isolation at a constant lr 0.1 without augmentation;
     training on the rest at lr 0.1, 0.01 from epoch 40, with crop/flip; unlearning at a constant
     lr 5e-4 without augmentation. Budgets: `official` (default) 10 isolation, 60 training and 5
-    unlearning epochs; `cpu` 5, the trainer's epochs, and 5. Departures: the paper states the
-    lowest-loss samples are isolated; the official isolation script sorts descending, we follow
-    the paper. LGA is applied to the batch-mean loss as in the official code (the paper writes it
+    unlearning epochs; `cpu` 5, the trainer's epochs, and 5. The lowest-loss samples are isolated,
+    as the paper states and the official isolation script does (it sorts the losses ascending,
+    `backdoor_isolation.py:37,59`; an earlier note here said descending). Open departures (ledger):
+    the official unlearning loop's first epoch only evaluates (4 ascent epochs to our 5), its
+    training on the rest adds Cutout, its isolation loader does not shuffle. LGA is applied to the batch-mean loss as in the official code (the paper writes it
     per sample). Threat model: ABL trains on the stored training split, which a training-
     controlled attack (WaNet, Input-aware, LIRA, WB) leaves clean; against those it is recorded
     as not applicable (`not_applicable`). Isolation precision needs the true poisoned indices and
