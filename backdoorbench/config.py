@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from backdoorbench import help_page
 
@@ -140,6 +140,17 @@ def ignore_launcher_schema_match() -> None:
 
 ignore_launcher_schema_match()
 help_page.register()  # the config-group listing of --help (conf/hydra/help/backdoorbench.yaml)
+
+
+def epoch_fractions(milestones: Any, epochs: Any) -> list[float]:
+    """`${epoch_fractions:[100,200],${trainer.epochs}}`: milestones given in epochs, as an official
+    MultiStepLR states them, as the fractions of the run that `trainer.milestones` holds (a
+    milestone at or past the last epoch never steps, as there)."""
+    return [float(m) / max(int(epochs), 1) for m in milestones]
+
+
+if not OmegaConf.has_resolver("epoch_fractions"):
+    OmegaConf.register_new_resolver("epoch_fractions", epoch_fractions)
 
 store = ConfigStore.instance()
 store.store(name="run_schema", node=RunSchema)

@@ -215,3 +215,21 @@ def test_tf32_is_fp32_with_pytorchs_default_tf32_policy_and_plain_fp32_on_the_cp
         assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (True, True)  # restored
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("attack", ["bpp", "wanet"])
+def test_an_attack_whose_backdoorbench_run_has_its_own_scheduler_gets_it(attack):
+    """SCLBD/BackdoorBench@f02e353:config/attack/{bpp,wanet}/default.yaml replace the prototype's
+    scheduler with MultiStepLR at epochs 100/200/300/400: constant over CIFAR-10's 100 epochs and
+    GTSRB's 50, x0.1 from epoch 100 of Tiny-ImageNet's 200 (conf/protocol_attack/)."""
+    for dataset, epochs, milestones in (("cifar10", 100, [1.0, 2.0, 3.0, 4.0]), ("gtsrb", 50, [2.0, 4.0, 6.0, 8.0]),
+                                        ("tiny_imagenet", 200, [0.5, 1.0, 1.5, 2.0])):
+        trainer = resolved(f"dataset={dataset}", f"attack={attack}")["trainer"]
+        assert (trainer["epochs"], trainer["schedule"], trainer["milestones"]) == (epochs, "multistep", milestones)
+        factors = [0.1 ** sum(e / epochs >= m for m in milestones) for e in range(epochs)]
+        assert factors == ([1.0] * 100 + [0.1] * 100 if dataset == "tiny_imagenet" else [1.0] * epochs)
+    assert resolved("dataset=cifar10", f"attack={attack}", "trainer.epochs=5")["trainer"]["milestones"] == [20.0, 40.0, 60.0, 80.0]
+    assert resolved("dataset=cifar10", f"attack={attack}", "protocol=quick")["trainer"]["schedule"] == "cosine"
+    assert resolved("dataset=mnist5k", f"attack={attack}")["trainer"]["schedule"] == "cosine"  # quick: its own recipe
+    assert resolved("dataset=cifar10", "attack=badnets")["trainer"]["schedule"] == "cosine"  # the prototype's
+    assert resolved("dataset=cifar10", f"attack={attack}", "trainer.schedule=cosine")["trainer"]["schedule"] == "cosine"
