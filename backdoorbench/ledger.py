@@ -131,8 +131,9 @@ def rows(section: str, data: dict[str, Any] | None = None) -> list[Row]:
     return [Row(section, i, row) for i, row in enumerate(data.get("rows") or [])]
 
 
-def sources(row: Row) -> list[str]:
-    value = row.data.get("source")
+def sources(row: Row | Mapping[str, Any]) -> list[str]:
+    """A row's `source`, one string or a list, as a list."""
+    value = (row.data if isinstance(row, Row) else row).get("source")
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
@@ -182,7 +183,7 @@ def render_row(row: Mapping[str, Any]) -> str:
         official.append(format_map(row["official"]))
     elif "official" in row and not keyed:
         official.append(_cell(row["official"]))
-    cited = [f"`{s}`" for s in ([row["source"]] if isinstance(row.get("source"), str) else row.get("source") or [])]
+    cited = [f"`{s}`" for s in sources(row)]
     if cited:
         official.append(("at " if official else "") + ", ".join(cited))
     official.append(_cell(row.get("official_text")))

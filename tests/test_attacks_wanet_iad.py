@@ -18,7 +18,7 @@ from backdoorbench.attacks.wanet import WaNet, identity_grid
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.train import Trainer, apply_augmentation
-from tests.tiny import COMMON, SHAPE, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from tests.tiny import COMMON, SHAPE, Killed, kill_after_epoch, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
 SMALL_IAD = dict(channels=4, depth=2, mask_epochs=2)
@@ -200,13 +200,6 @@ def test_wanet_poisoning_before_augmentation_resumes_exactly(tmp_path):
     # stopped after epoch 1 and resumed from its checkpoint ends where an uninterrupted one does.
     split = make_split(32)
 
-    class Killed(Exception):
-        pass
-
-    def kill_after_first(row):
-        if row["epoch"] == 1:
-            raise Killed
-
     def train(checkpoint=None, on_epoch=None):
         attack = WaNet(**COMMON, poison_rate=0.25)
         trainer = Trainer(epochs=2, batch_size=16, optimizer=partial(torch.optim.SGD, lr=0.05), device="cpu",
@@ -219,7 +212,7 @@ def test_wanet_poisoning_before_augmentation_resumes_exactly(tmp_path):
     whole = train()
     path = tmp_path / "victim.pt"
     with pytest.raises(Killed):
-        train(path, kill_after_first)
+        train(path, kill_after_epoch(1))
     resumed = train(path)
     assert same(whole[0], resumed[0]) and torch.equal(whole[1], resumed[1])
 

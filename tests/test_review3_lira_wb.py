@@ -8,7 +8,7 @@ import torch
 
 from backdoorbench.errors import ConfigError
 from tests.test_attacks_lira_wb import make_attack, make_split, make_trainer, same, state
-from tests.tiny import make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from tests.tiny import Killed, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 
 def first_stage2_weights(kind: str, init: str) -> tuple[dict, dict, dict]:
@@ -48,9 +48,6 @@ def test_stage1_init_fine_tunes_stage_ones_classifier():
 
 
 def test_a_run_killed_in_stage_two_resumes_from_scratch_as_it_ran(tmp_path):
-    class Killed(Exception):
-        pass
-
     def train(checkpoint, kill: bool):
         attack, model, trainer = make_attack("lira"), make_model(), make_trainer(epochs=2)
 

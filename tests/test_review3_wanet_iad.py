@@ -16,7 +16,7 @@ from backdoorbench.attacks.wanet import WaNet
 from backdoorbench.errors import ConfigError
 from backdoorbench.train import Trainer
 from tests.test_attacks_wanet_iad import Recorder, batch, calibrate, make_split, params, same
-from tests.tiny import COMMON, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from tests.tiny import COMMON, Killed, kill_after_epoch, make_model, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 SMALL = dict(channels=4, depth=2)
 
@@ -89,13 +89,6 @@ def test_iad_a_new_victim_starts_from_a_zero_gradient_and_leaves_none():
 def test_iad_resumes_exactly_with_the_summed_gradient(tmp_path):
     split = make_split(32)
 
-    class Killed(Exception):
-        pass
-
-    def kill_after_first(row):
-        if row["epoch"] == 1:
-            raise Killed
-
     def train(checkpoint=None, on_epoch=None):
         attack = iad(mask_epochs=1)
         attack.prepare(trainer=trainer(1), train=split, generator=torch.Generator().manual_seed(0))
@@ -108,7 +101,7 @@ def test_iad_resumes_exactly_with_the_summed_gradient(tmp_path):
     whole = train()
     path = tmp_path / "victim.pt"
     with pytest.raises(Killed):
-        train(path, kill_after_first)
+        train(path, kill_after_epoch(1))
     resumed = train(path)
     assert same(whole[0], resumed[0]) and same(whole[1], resumed[1])
 

@@ -25,3 +25,17 @@ def one_thread():
 def make_model(seed: int = 0) -> Normalized:
     torch.manual_seed(seed)
     return Normalized(MnistCNN(in_channels=1, num_classes=4, image_size=16, hidden=16), (0.5,), (0.25,))
+
+
+class Killed(Exception):
+    """Raised from a fit's `on_epoch` to stop it as a kill would, after that epoch's checkpoint."""
+
+
+def kill_after_epoch(epoch: int = 1):
+    """An `on_epoch` callback that raises Killed once epoch `epoch` (1-based) is done."""
+
+    def on_epoch(row):
+        if row["epoch"] == epoch:
+            raise Killed
+
+    return on_epoch
