@@ -21,6 +21,7 @@ from torch import Tensor
 
 from backdoorbench.errors import DataError
 from backdoorbench.fileio import atomic_write_bytes, write_new_bytes
+from backdoorbench.metrics.gradcam import gradcam
 
 
 def to_array(name: str, value: Any) -> np.ndarray:
@@ -70,8 +71,6 @@ def write_beside_record(record_path: str | Path, arrays: Mapping[str, Any]) -> s
 def example_artifacts(model: torch.nn.Module, examples: Tensor, trainer) -> dict[str, Tensor]:
     """The pipeline's trigger examples (8 clean, then their 8 poisoned versions) and GradCAM maps
     of both on the attacked model, for the trigger-gallery and GradCAM figures."""
-    from backdoorbench.metrics.gradcam import gradcam
-
     clean, poisoned = examples.chunk(2)
     net = trainer.prepare(model)
     device = next(net.parameters()).device

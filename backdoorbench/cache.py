@@ -44,7 +44,7 @@ CACHE_VERSION = 3  # 2: a clean-label poison_rate became a share of the target c
 #                  3: dirty-label poison is drawn from all classes, target class included
 ENTRY_FORMAT = "backdoorbench.victim_cache.v1"
 # Config keys that determine the victim; anything else (defense, eval, logger, paths) does not.
-VICTIM_CONFIG_KEYS = ("dataset", "model", "attack", "trainer", "seed")
+VICTIM_CONFIG_KEYS = ("dataset", "model", "attack", "trainer", "victim_trainer", "seed")  # an empty victim_trainer is dropped
 VICTIM_IGNORED = ("trainer.progress",)
 
 

@@ -23,8 +23,10 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 import backdoorbench.config  # noqa: F401  (registers the schemas)
+from backdoorbench import help_page, plugins
 from backdoorbench.config import GROUPS, ignore_launcher_schema_match
 from backdoorbench.errors import ConfigError, UserError
+from backdoorbench.help_page import group_options
 from backdoorbench.suggest import bare_word_hint, key_hint, option_hint
 
 CONFIG_MODULE = "backdoorbench.conf"
@@ -32,6 +34,8 @@ VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", 
                "-cd", "--config-dir", "--experimental-rerun", "-sc", "--shell-completion"}
 SKIP_FLAGS = {"-h", "--help", "--hydra-help", "--version", "-i", "--info", "-sc", "--shell-completion",
               "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun"}
+
+help_page.register()  # the config-group listing of --help (conf/hydra/help/backdoorbench.yaml)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], bool]:
@@ -93,22 +97,15 @@ def _combinations(overrides: list[str]) -> Iterator[list[str]]:
                 yield [c[0] if j != i else value for j, c in enumerate(choices)]
 
 
-def _group_options(loader, group: str) -> list[str]:
-    """Options of `group`, those in its subfolders as `sub/option` (e.g. paper=lira/mnist)."""
-    options = list(loader.get_group_options(group))
-    for sub in loader.list_groups(group):
-        options += [f"{sub}/{option}" for option in _group_options(loader, f"{group}/{sub}")]
-    return options
-
-
 def _check_group_choices(overrides: list[str]) -> None:
     loader = GlobalHydra.instance().config_loader()
     for override in OverridesParser.create().parse_overrides(overrides):
         group = override.key_or_group  # e.g. attack, trainer/optimizer, hydra/launcher
         if group.split("/")[0] not in (*GROUPS, "hydra") or override.package is not None or override.is_delete():
             continue
-        valid = sorted(o for o in _group_options(loader, group) if not o.startswith("_"))
-        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        valid = sorted(o for o in group_options(loader, group) if not o.startswith("_"))
+        # the values themselves: sweep_string_iterator escapes a class path's colon (`pkg.mod\\:Cls`)
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
         for value in values:
             if not isinstance(value, str) or value not in valid:
                 hint = option_hint(group, str(value), valid)
@@ -127,7 +124,7 @@ def _check_bare_words(overrides: list[str]) -> None:
     if all("=" in word or word.startswith("~") for word in overrides):
         return
     loader = GlobalHydra.instance().config_loader()
-    groups = {group: sorted(o for o in _group_options(loader, group) if not o.startswith("_"))
+    groups = {group: sorted(o for o in group_options(loader, group) if not o.startswith("_"))
               for group in (*GROUPS, *SUBGROUPS)}
     keys = compose(config_name="config", return_hydra_config=True).keys()
     hint = bare_word_hint(overrides, groups, keys)
@@ -172,6 +169,15 @@ def _one_line(exc: BaseException) -> str:
     return "; ".join(parts)
 
 
+def _preset_multirun(overrides: list[str]) -> bool:
+    """Whether a preset makes the command a sweep without --multirun (`hydra.mode: MULTIRUN`, e.g.
+    experiment=defense_suite). Composes only when the command line picks an experiment."""
+    if not any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in overrides):
+        return False
+    cfg = compose(config_name="config", overrides=next(_combinations(overrides)), return_hydra_config=True)
+    return str(cfg.hydra.get("mode")).endswith("MULTIRUN")
+
+
 def with_preset_sweeps(overrides: list[str]) -> list[str]:
     """`overrides` plus the sweeps an experiment preset sets in `hydra.sweeper.params` (Hydra's
     --multirun sweeps them too), except for keys the command line already sets (those win)."""
@@ -184,9 +190,12 @@ def with_preset_sweeps(overrides: list[str]) -> list[str]:
 
 def preflight(argv: list[str]) -> None:
     """Compose each distinct value of the command line and validate it; raise ConfigError."""
-    from backdoorbench.pipeline import validate_config
+    # Here, not at the top: validation loads torch and the method classes (seconds), which the
+    # help pages that return just below never need.
+    from backdoorbench.validation import validate_config
 
     overrides, skip = split_overrides(argv)
+    plugins.register(overrides)  # `defense=pkg.mod:Cls` and entry points become options before Hydra composes
     if skip:
         if any(arg in ("-h", "--help") for arg in argv):
             _check_help_overrides(overrides)  # the page shows the choices: a wrong one is a line too
@@ -197,7 +206,7 @@ def preflight(argv: list[str]) -> None:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             _check_bare_words(overrides)
             _check_group_choices(overrides)
-            if any(arg in ("-m", "--multirun") for arg in argv):
+            if any(arg in ("-m", "--multirun") for arg in argv) or _preset_multirun(overrides):
                 overrides = with_preset_sweeps(overrides)
                 _check_group_choices(overrides)
             for combination in _combinations(overrides):

@@ -1,19 +1,21 @@
 """Typed schema of the top-level config and the trainer, registered with Hydra's ConfigStore.
 
 Hydra checks overrides against these types at composition, so `seed=abc` or
-`trainer.epochs=ten` fail before anything runs. Import this module before composing.
+`trainer.epochs=ten` fail before anything runs. Import this module before composing. Also what
+of a resolved config identifies a run: the run id's hash leaves out the keys that change only
+where or how a run reports.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-
-from backdoorbench import help_page
 
 GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "protocol", "paper", "experiment")
 
@@ -37,6 +39,23 @@ class TrainerSchema:
     channels_last: bool = True
     compile: bool = False
     progress: bool = True
+
+
+@dataclass
+class VictimTrainerSchema:
+    """Trainer keys that hold for the victim's training only; null = the trainer's value (and an
+    empty `milestones`: a list node, since an interpolation into a null list would resolve while
+    Hydra composes; a victim-only schedule without milestones is `schedule: constant`)."""
+    epochs: Optional[int] = None
+    batch_size: Optional[int] = None
+    schedule: Optional[str] = None
+    milestones: list[float] = field(default_factory=list)
+    gamma: Optional[float] = None
+    schedule_period: Optional[int] = None
+    plateau_patience: Optional[int] = None
+    augment: Optional[bool] = None
+    rotation: Optional[float] = None
+    rotation_p: Optional[float] = None
 
 
 @dataclass
@@ -83,7 +102,7 @@ class ReactivationSchema:
 class EvalSchema:
     stealth_images: int = 1000  # test images, a fixed seeded choice, for PSNR/SSIM/LPIPS/L_inf/L_2
     stealth_seed: int = 0  # fixed, not the run seed, so every run is measured on the same images
-    lpips_weights: Optional[str] = None  # AlexNet ImageNet weights file; null = torch hub cache
+    lpips: str = "auto"  # LPIPS's AlexNet weights: auto (torch hub's cache, downloaded once), off, or a file's path
     pgd: PgdSchema = field(default_factory=PgdSchema)
     reactivation: ReactivationSchema = field(default_factory=ReactivationSchema)
 
@@ -95,6 +114,10 @@ class RunSchema:
     attack: Any = MISSING
     defense: Any = None
     trainer: TrainerSchema = MISSING
+    # Trainer keys that hold for the victim's training only (an attack's own schedule in its official
+    # code, set by conf/protocol_attack/): the defenses, the clean control and reactivation train with
+    # `trainer` as it is. Empty = the victim trains with `trainer` too.
+    victim_trainer: VictimTrainerSchema = field(default_factory=VictimTrainerSchema)
     protocol: Any = None  # the training protocol (conf/protocol/): name, source, per-dataset method values
     logger: Any = None
     eval: EvalSchema = field(default_factory=EvalSchema)
@@ -107,8 +130,26 @@ class RunSchema:
 
 # Keys that change where or how a run reports, never what it computes; left out of the run id.
 # `protocol` names the recipe and holds per-dataset method values, which reach the run through the
-# attack's and trainer's own keys (those are in the id).
-NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips_weights", "cache", "cache_dir", "protocol")
+# attack's and trainer's own keys (those are in the id). `eval.lpips` says where LPIPS's weights come
+# from; records made before it hold `eval.lpips_weights`, dropped too so that their ids stay.
+NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips", "eval.lpips_weights", "cache", "cache_dir",
+                   "protocol")
+
+
+def victim_overrides(config: Any) -> dict[str, Any]:
+    """The keys `victim_trainer` sets (not null), resolved: what the victim trains with beyond `trainer`."""
+    victim = config.get("victim_trainer")
+    if victim is None:
+        return {}
+    if OmegaConf.is_config(victim):
+        victim = OmegaConf.to_container(victim, resolve=True)
+    return {key: value for key, value in victim.items() if value is not None and value != []}
+
+
+def victim_trainer_node(cfg: Any) -> Any:
+    """The victim's trainer config: `trainer` with the victim-only keys of `victim_trainer` on top,
+    both resolved against the whole config first (their interpolations name `trainer.epochs`)."""
+    return OmegaConf.create({**OmegaConf.to_container(cfg.trainer, resolve=True), **victim_overrides(cfg)})
 
 
 def protocol_name(config: Any) -> str:
@@ -119,15 +160,39 @@ def protocol_name(config: Any) -> str:
 
 
 def inert_trainer_keys(config: dict[str, Any]) -> tuple[str, ...]:
-    """Trainer keys added later that play no part at their defaults: left out of the run id and the
-    victim key, so a run that does not use them keeps the id and the cached victim it had before."""
+    """Trainer keys added later that play no part at their defaults (and an empty `victim_trainer`):
+    left out of the run id and the victim key, so a run that does not use them keeps the id and the
+    cached victim it had before."""
     trainer = config.get("trainer") or {}
-    inert = []
+    inert = [] if victim_overrides(config) else ["victim_trainer"]
     if trainer.get("schedule_period") is None:
         inert.append("trainer.schedule_period")
     if trainer.get("schedule") != "plateau":
         inert.append("trainer.plateau_patience")
     return tuple(inert)
+
+
+def config_hash(config: dict[str, Any], drop: tuple[str, ...]) -> str:
+    """sha256 (16 hex) of the canonical JSON of `config` without the dotted keys in `drop`."""
+    pruned = json.loads(json.dumps(config))
+    for dotted in drop:
+        node = pruned
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(pruned, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_config_hash(config: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
+    """The run id's hash: `config_hash` without the non-result keys, and without `eval.reactivation`
+    while it is off (and trainer keys at their inert defaults), so that a run without the stage keeps
+    the id it had before the stage existed."""
+    reactivation = (config.get("eval") or {}).get("reactivation") or {}
+    off = () if reactivation.get("enabled") else ("eval.reactivation",)
+    return config_hash(config, NON_RESULT_KEYS + off + inert_trainer_keys(config) + drop)
+
 
 # conf/hydra/launcher/{joblib,submitit_local,submitit_slurm}.yaml carry the plugins' own names on
 # purpose, so `hydra/launcher=joblib` means what the plugins document, and Hydra 1.3 still checks
@@ -139,13 +204,14 @@ def ignore_launcher_schema_match() -> None:
 
 
 ignore_launcher_schema_match()
-help_page.register()  # the config-group listing of --help (conf/hydra/help/backdoorbench.yaml)
 
 
-def epoch_fractions(milestones: Any, epochs: Any) -> list[float]:
+def epoch_fractions(milestones: Any, epochs: Any, fallback: Any = None) -> list[float]:
     """`${epoch_fractions:[100,200],${trainer.epochs}}`: milestones given in epochs, as an official
     MultiStepLR states them, as the fractions of the run that `trainer.milestones` holds (a
-    milestone at or past the last epoch never steps, as there)."""
+    milestone at or past the last epoch never steps, as there). A null `epochs` takes `fallback`:
+    `${epoch_fractions:[100],${victim_trainer.epochs},${trainer.epochs}}`."""
+    epochs = fallback if epochs is None else epochs
     return [float(m) / max(int(epochs), 1) for m in milestones]
 
 

@@ -5,12 +5,15 @@ Hydra's own `$APP_CONFIG_GROUPS` lists every option, internal ones too (`model=_
 resolvers instead: `${backdoorbench_groups:}` lists the groups a user sets, their options without
 internal ones, and marks the option the command line (or the default) chose;
 `${backdoorbench_settings:}` lists the settings most runs change, with their values now.
+The command line (backdoorbench.cli) registers them; importing this module registers nothing.
 """
 
 from __future__ import annotations
 
 import textwrap
+from importlib.resources import files
 
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 RESOLVERS = ("backdoorbench_groups", "backdoorbench_settings")
@@ -45,21 +48,23 @@ SETTINGS = (
 WIDTH = 100
 
 
+def group_options(loader, group: str) -> list[str]:
+    """Options of `group`, those in its subfolders as `sub/option` (e.g. paper=lira/mnist)."""
+    options = list(loader.get_group_options(group))
+    for sub in loader.list_groups(group):
+        options += [f"{sub}/{option}" for option in group_options(loader, f"{group}/{sub}")]
+    return options
+
+
 def _options(group: str) -> list[str]:
-    from hydra.core.global_hydra import GlobalHydra
-
-    from backdoorbench.cli import _group_options
-
     loader = GlobalHydra.instance().config_loader()
     # paper's options live in subfolders (paper=lira/cifar10); trainer's subfolder is its own group
-    options = _group_options(loader, group) if group == "paper" else loader.get_group_options(group)
+    options = group_options(loader, group) if group == "paper" else loader.get_group_options(group)
     return sorted(o for o in options if not o.startswith("_"))
 
 
 def _usual_model(choice: str) -> str | None:
     """The model that conf/model/_for_<dataset>.yaml picks through its defaults list."""
-    from importlib.resources import files
-
     try:
         defaults = OmegaConf.create(files("backdoorbench.conf").joinpath("model", f"{choice}.yaml").read_text())
         return str(defaults.defaults[0])

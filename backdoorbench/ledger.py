@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from backdoorbench.errors import UserError
+from backdoorbench.fileio import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 LEDGER_DIR = REPO / "docs" / "ledger"
@@ -262,8 +263,6 @@ def _locked() -> Iterator[None]:
 
 def write(sections: Iterable[str]) -> list[str]:
     """Render `sections` into docs/fidelity.md (atomically, under a lock); the ones changed."""
-    from backdoorbench.fileio import atomic_write_text
-
     changed = []
     with _locked():
         text = FIDELITY.read_text()

@@ -1,4 +1,4 @@
-"""Issue 18's evaluation protocols over many records: which hyper-parameters a defense's
+"""The evaluation protocols over many records: which hyper-parameters a defense's
 sensitivity sweep varies, and the defaults they vary around. The sweeps themselves are the
 presets `conf/experiment/sensitivity_<defense>.yaml` and `clean_budget.yaml`; the ledger gives
 the source of each choice (docs/fidelity.md#protocols)."""
@@ -11,26 +11,21 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-# defense -> the config keys (under `defense.`) its sensitivity sweep varies: the one or two
-# values a user of the defense must choose and the paper or its code fixed.
-SENSITIVITY: dict[str, tuple[str, ...]] = {
-    "fine_tuning": ("lr",),
-    "fine_pruning": ("max_acc_drop",),
-    "neural_cleanse": ("anomaly_threshold",),
-    "nad": ("betas",),
-    "anp": ("threshold",),
-    "i_bau": ("rounds",),
-    "clp": ("u",),
-    "angular_margin": ("penalty_weight",),
-    "abl": ("isolation_ratio",),
-    "spectral": ("expected_poison_rate",),
-    "activation_clustering": ("analysis",),
-    "strip": ("frr",),
-}
+from backdoorbench import registry
 
-# The defenses that use the defender's clean subset: the clean-budget sweep's defenses.
-CLEAN_BUDGET_DEFENSES = ("fine_tuning", "fine_pruning", "neural_cleanse", "nad", "anp", "i_bau", "strip")
+# SENSITIVITY (defense -> the config keys, under `defense.`, its sensitivity sweep varies: the one or
+# two values a user of the defense must choose and the paper or its code fixed) and
+# CLEAN_BUDGET_DEFENSES (those that use the defender's clean subset: the clean-budget sweep's) are the
+# defense classes' own declarations (`sensitivity`, `needs_clean_data`), read through the registry
+# when first asked for, so that importing this module loads no defense.
+_DERIVED = {"SENSITIVITY": registry.sensitivity, "CLEAN_BUDGET_DEFENSES": registry.clean_budget_defenses}
 CLEAN_BUDGET_KEY = "clean_fraction"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DERIVED:
+        return _DERIVED[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +46,7 @@ def defense_defaults(name: str) -> dict[str, Any]:
 def at_defaults(defense_config: dict[str, Any] | None, name: str) -> bool:
     """Whether a record's `config.defense` has the default value of every key `name` sweeps."""
     defaults = defense_defaults(name)
-    keys = SENSITIVITY.get(name, ())
+    keys = registry.sensitivity().get(name, ())
     return bool(keys) and defense_config is not None and all(
         key in defaults and defense_config.get(key) == defaults[key] for key in keys)
 

@@ -11,25 +11,15 @@ import difflib
 import functools
 from collections.abc import Iterable
 
-# Short names people use in papers and other toolkits for our options (group -> {alias: option}).
-ALIASES: dict[str, dict[str, str]] = {
-    "defense": {
-        "nc": "neural_cleanse", "fp": "fine_pruning", "ft": "fine_tuning", "ac": "activation_clustering",
-        "ss": "spectral", "spectral_signatures": "spectral", "spectral_signature": "spectral", "ibau": "i_bau",
-        "am": "angular_margin", "finetune": "fine_tuning", "finetuning": "fine_tuning", "prune": "fine_pruning",
-        "pruning": "fine_pruning", "anti_backdoor_learning": "abl", "no": "none", "null": "none",
-    },
-    "attack": {
-        "iad": "input_aware", "ia": "input_aware", "inputaware": "input_aware", "lc": "label_consistent",
-        "blend": "blended", "trojan": "trojannn", "trojan_nn": "trojannn", "trojannet": "trojannn",
-        "adap_blend": "adaptive_blend", "adaptive": "adaptive_blend", "badnet": "badnets", "clean": "none",
-        "no": "none", "null": "none",
-    },
-    "dataset": {"cifar": "cifar10", "cifar_10": "cifar10", "tiny": "tiny_imagenet", "tinyimagenet": "tiny_imagenet",
-                "mnist_5k": "mnist5k"},
-    "model": {"preactresnet18": "preact_resnet18", "preact_rn18": "preact_resnet18", "cnn": "mnist_cnn",
-              "vgg16": "vgg16_bn"},
-}
+from backdoorbench import registry
+
+
+def __getattr__(name: str):
+    # ALIASES (group -> {alias: option}): the short names people use in papers and other toolkits for
+    # our options, as each option's class declares them (`aliases`); read when first asked for.
+    if name == "ALIASES":
+        return {group: registry.aliases(group) for group in registry.GROUPS}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _folded(name: str) -> str:
@@ -68,8 +58,12 @@ def option_hint(group: str, value: str, valid: list[str]) -> str | None:
     """`did you mean ...?` for an unknown option of `group`, or None."""
     if group == "model" and value not in valid and "timm" in valid and is_timm_model(value):
         return f"{value} is a timm model: write model=timm model.name={value}"
-    match = closest(value, valid, ALIASES.get(group))
+    match = closest(value, valid, registry.aliases(group) if group in registry.GROUPS else None)
     return f"did you mean {group}={match}?" if match else None
+
+
+# Keys that have another name now, so an old command line gets the new spelling (old key -> how to write it).
+RENAMED_KEYS: dict[str, str] = {"eval.lpips_weights": "eval.lpips=<path> (or auto, off)"}
 
 
 def key_hint(key: str, cfg) -> str | None:
@@ -77,6 +71,8 @@ def key_hint(key: str, cfg) -> str | None:
     when the key exists or nothing near it does."""
     from omegaconf import DictConfig
 
+    if key in RENAMED_KEYS:
+        return f"it was renamed: write {RENAMED_KEYS[key]}"
     node, parts = cfg, key.split(".")
     for depth, part in enumerate(parts):
         if not isinstance(node, DictConfig):

@@ -1,6 +1,6 @@
 """Converting a value given in an official code's input normalisation into our pixel units.
 
-Our images enter attacks as [0, 1] pixels (DESIGN.md): every eps, strength and step is in those
+Our images enter attacks as [0, 1] pixels (docs/architecture.md): every eps, strength and step is in those
 units. An official code that normalises its inputs, x_n = (x - mean) / std, states its values in
 x_n's units, so a perturbation of size v there is v * std in pixels. Each source normalises in its
 own way, recorded here with where it does so; presets convert with `to_pixels`, and

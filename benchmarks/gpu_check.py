@@ -344,7 +344,7 @@ def table(report: dict[str, Any]) -> str:
 def run_guarded(name: str, args: argparse.Namespace, workdir: Path, guard_s: float) -> dict[str, Any]:
     """One section in its own process (isolated debug modes, determinism flags and compile
     caches), killed with everything it started when `guard_s` runs out."""
-    argv = [sys.executable, "-m", "benchmarks.gpu_check", "--section", name, "--workdir", str(workdir),
+    argv = [sys.executable, "-m", "benchmarks.gpu_sections", "--section", name, "--workdir", str(workdir),
             "--device", args.device, "--guard", str(guard_s)]
     argv += ["--tiny"] if args.tiny else []
     argv += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops is not None else []
@@ -391,7 +391,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sections", default=",".join(SECTION_NAMES), help="comma-separated subset to run")
     parser.add_argument("--budget", type=float, default=None, help="overall seconds (default 480; 900 with --tiny)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak bf16 TFLOP/s, if not in the table")
-    parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
+    # internal: the arguments of one section's process (python -m benchmarks.gpu_sections), which parses them here
+    parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--guard", type=float, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -481,24 +482,8 @@ def run_all(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_section(args: argparse.Namespace) -> int:
-    import torch
-
-    from benchmarks.gpu_sections import SECTIONS, Section
-
-    torch.manual_seed(0)
-    guard = args.guard or TINY_GUARD_S
-    section = Section(args.section, torch.device(args.device), args.tiny, Path(args.workdir),
-                      deadline=time.monotonic() + guard, peak_tflops=args.peak_tflops)
-    SECTIONS[args.section](section)
-    section.save()
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.section:
-        return run_section(args)
     try:
         return run_all(args)
     except UsageError as exc:

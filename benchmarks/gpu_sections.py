@@ -1,8 +1,9 @@
 """The eight measurements of benchmarks/gpu_check.py, one function per section.
 
-Each runs in its own process (started by gpu_check.py, which enforces the time guard), gets a
-`Section` context and fills `section.result`; `section.save()` writes what is known so far, so a
-section killed by its guard still hands back the numbers it had. Sizes depend on `--tiny`.
+Each runs in its own process (`python -m benchmarks.gpu_sections --section NAME`, started by
+gpu_check.py, which enforces the time guard; this module imports gpu_check, never the other way),
+gets a `Section` context and fills `section.result`; `section.save()` writes what is known so far,
+so a section killed by its guard still hands back the numbers it had. Sizes depend on `--tiny`.
 """
 
 from __future__ import annotations
@@ -347,7 +348,8 @@ def logit_effect(model, attack, images: torch.Tensor, device: torch.device, auto
 def precision(section: Section) -> None:
     """LIRA at test_eps 0.0025 and 0.005 px: how much of the trigger bf16 autocast keeps."""
     from backdoorbench.metrics import evaluate
-    from backdoorbench.pipeline import build, build_model, stream
+    from backdoorbench.factory import build, build_model
+    from backdoorbench.stages import stream
 
     # Small victims: four of them must fit the section's guard on a GPU.
     epochs = ["trainer.epochs=1", "attack.stage1_epochs=1"] if section.tiny else ["trainer.epochs=4"]
@@ -499,3 +501,19 @@ SECTIONS: dict[str, Callable[[Section], None]] = {
     "packing": packing,
     "ddp": ddp,
 }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one section in this process (gpu_check.run_guarded starts it, with gpu_check's arguments)."""
+    args = gc.parse_args(sys.argv[1:] if argv is None else argv)
+    torch.manual_seed(0)
+    guard = args.guard or gc.TINY_GUARD_S
+    section = Section(args.section, torch.device(args.device), args.tiny, Path(args.workdir),
+                      deadline=time.monotonic() + guard, peak_tflops=args.peak_tflops)
+    SECTIONS[args.section](section)
+    section.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

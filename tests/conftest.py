@@ -11,6 +11,9 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# No test downloads anything: eval.lpips=auto would fetch LPIPS's AlexNet weights where the network
+# answers, so every test, and every run it starts, asks port 0 of this machine, which refuses.
+os.environ["BACKDOORBENCH_LPIPS_URL"] = "http://127.0.0.1:0/alexnet-owt-7be5be79.pth"
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -225,7 +225,7 @@ def test_pgd_rejects_bad_arguments(trained_plain):
         pgd_accuracy(model, (x * 255).to(torch.uint8), y, eps=0.1)
 
 
-# ---- the authors' recipe (issue 15) ------------------------------------------------------------
+# ---- the authors' recipe ---------------------------------------------------------------------
 
 def test_paper_recipe_is_the_authors_training_network_and_evaluation(compose_cfg):
     from hydra.utils import instantiate
@@ -361,7 +361,7 @@ def test_pgd_step_is_absolute_relative_or_madrys_rule():
     ("eval.pgd.transfer_from=plain", "eval.pgd.transfer_from='plain' is not a model of the run; use null or attacked"),
 ])
 def test_bad_pgd_settings_are_one_line_config_errors_before_any_data(compose_cfg, override, message, tmp_path):
-    from backdoorbench.pipeline import validate_config
+    from backdoorbench.validation import validate_config
 
     extra = ["eval.pgd.step_size=0.01"] if "rel_step_size" in override else []
     cfg = compose_cfg(override, *extra, f"results_dir={tmp_path / 'out'}")
@@ -373,13 +373,13 @@ def test_bad_pgd_settings_are_one_line_config_errors_before_any_data(compose_cfg
 def test_pgd_images_are_a_seeded_choice_not_the_first_sorted_ones(mnist5k):
     from omegaconf import OmegaConf
 
-    from backdoorbench.pipeline import _pgd_images
+    from backdoorbench.pgd_memo import pgd_images
 
-    _, labels = _pgd_images(mnist5k, OmegaConf.create({"images": 50, "seed": 0}))
+    _, labels = pgd_images(mnist5k, OmegaConf.create({"images": 50, "seed": 0}))
     assert len(labels) == 50 and len(labels.unique()) >= 8  # mnist5k's test split is sorted: the first 50 are all 0
-    _, again = _pgd_images(mnist5k, OmegaConf.create({"images": 50, "seed": 0}))
+    _, again = pgd_images(mnist5k, OmegaConf.create({"images": 50, "seed": 0}))
     assert torch.equal(labels, again)
-    _, every = _pgd_images(mnist5k, OmegaConf.create({"images": 5000, "seed": 3}))
+    _, every = pgd_images(mnist5k, OmegaConf.create({"images": 5000, "seed": 3}))
     assert torch.equal(every, mnist5k.test.labels)  # all of them, in order, when there are no more
 
 
@@ -402,7 +402,7 @@ def test_the_attacked_models_pgd_is_memoised_beside_its_cached_victim(mnist5k, t
     (rows and adversarial images) instead of attacking again, and an unusable memo is recomputed."""
     from omegaconf import OmegaConf
 
-    from backdoorbench.pipeline import attacked_pgd, pgd_memo_path
+    from backdoorbench.pgd_memo import attacked_pgd, pgd_memo_path
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10)).eval()

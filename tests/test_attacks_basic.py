@@ -35,7 +35,7 @@ def test_badnets_changes_only_its_patch(location, shape):
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
 def test_badnets_default_is_backdoorbenchs_3x3_white_square_bottom_right(shape):
-    """Issue 13, finding 12: BackdoorBench's trigger_image.png and BackdoorBox's pattern, not a checkerboard."""
+    """BackdoorBench's trigger_image.png and BackdoorBox's pattern, not a checkerboard."""
     channels, height, width = shape
     attack = instantiate(OmegaConf.load(CONF / "badnets.yaml"), num_classes=10, image_shape=shape)
     out = attack.apply_trigger(torch.full((1, *shape), 0.5))

@@ -355,7 +355,7 @@ def test_wb_regularizer_gradient_reaches_the_generator():
     assert with_reg.item() > attack.generator_loss(model, x, y, xp, yp).item()
 
 
-# ----- the reference on many-class data (issue 13, finding 4) ---------------------------------
+# ----- the reference on many-class data (f1f81cb) -----------------------------------------------
 
 # GTSRB's training split, images per class (39,209 in all; class 0, the usual target, has 210), and
 # Tiny-ImageNet's (500 in each of 200 classes).

@@ -1,5 +1,6 @@
-"""The data-poisoning attacks SIG, Label-Consistent, BppAttack, TrojanNN, Refool and Adaptive-Blend: each one's
-defining property, both target modes (or the clean-label all2all error), seeding, and configs."""
+"""The data-poisoning attacks: the contract every one of them keeps (seeding, untouched samples, both target
+modes or the clean-label all2all error, its config, a cache hit's description), over every data-poisoning
+attack the registry lists, so a new one is held to it alone; then each one's defining property."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from backdoorbench.attacks.label_consistent import LabelConsistent, corner_patte
 from backdoorbench.attacks.refool import Refool, blend, focal_blur_blend, ghost_reflection, vignette
 from backdoorbench.attacks.sig import SIG
 from backdoorbench.attacks.trojannn import TrojanNN, feature_layer, select_neurons
+from backdoorbench import registry
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
 from backdoorbench.models.base import Normalized
@@ -28,7 +30,11 @@ from backdoorbench.models.mnist_cnn import MnistCNN
 from backdoorbench.train import Trainer
 
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
-NAMES = ("sig", "label_consistent", "bpp", "trojannn", "refool", "adaptive_blend")
+# every data-poisoning attack (attack=none poisons nothing); built below from its own config unless
+# `build` shrinks it (a surrogate's epochs) or sets what makes its effect visible on 16x16 noise
+NAMES = [name for name, cls in registry.classes("attack", builtin_only=True).items()
+         if cls.kind == "data_poisoning" and name != "none"]
+CLEAN_LABEL = [name for name in NAMES if registry.method_class("attack", name).clean_label]
 CLASSES = 4
 SHAPE = (1, 16, 16)
 
@@ -106,7 +112,8 @@ def build(name: str, mode: str = "all2one", **kw):
         return Refool(**common(target_mode=mode, poison_rate=0.2, **kw))
     if name == "adaptive_blend":
         return AdaptiveBlend(**common(target_mode=mode, poison_rate=0.2, cover_rate=0.2, **kw))
-    raise AssertionError(name)
+    node = OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"), resolve=True)  # its defaults
+    return prepared(instantiate({**node, **common(target_mode=mode, poison_rate=0.2, **kw)}), make_split())
 
 
 # --- every attack ------------------------------------------------------------------------------
@@ -121,7 +128,7 @@ def test_same_seed_same_poisoned_indices_and_images(name):
     assert torch.equal(a.split.labels, b.split.labels)
     assert not torch.equal(a.indices, c.indices)
     # clean-label attacks poison a share of the target class (20 of 80 here), the others of the whole set
-    pool = int((split.labels == 1).sum()) if name in ("sig", "label_consistent", "refool") else len(split)
+    pool = int((split.labels == 1).sum()) if name in CLEAN_LABEL else len(split)
     assert len(a.indices) == round(0.2 * pool)
 
 
@@ -140,23 +147,22 @@ def test_untouched_samples_stay_clean(name):
     assert torch.equal(poisoned.split.labels[~changed], split.labels[~changed])
 
 
-@pytest.mark.parametrize("name, kw", [("sig", {"clean_label": False}), ("bpp", {}), ("trojannn", {}),
-                                      ("refool", {"clean_label": False}), ("label_consistent", {"clean_label": False}),
-                                      ("adaptive_blend", {})])
-def test_dirty_label_all2all_relabels_to_next_class(name, kw):
+@pytest.mark.parametrize("name", NAMES)
+def test_dirty_label_all2all_relabels_to_next_class(name):
     split = make_split()
+    kw = {"clean_label": False} if name in CLEAN_LABEL else {}  # the dirty-label variant of a clean-label attack
     poisoned = build(name, "all2all", **kw).poison_dataset(split, torch.Generator().manual_seed(3))
     idx = poisoned.indices
     assert torch.equal(poisoned.split.labels[idx], (split.labels[idx] + 1) % CLASSES)
 
 
-@pytest.mark.parametrize("cls", [SIG, LabelConsistent, Refool])
+@pytest.mark.parametrize("cls", [registry.method_class("attack", name) for name in CLEAN_LABEL])
 def test_clean_label_all2all_is_a_config_error(cls):
     with pytest.raises(ConfigError, match="all2all"):
         cls(**common(target_mode="all2all"))
 
 
-@pytest.mark.parametrize("name", ["sig", "label_consistent", "refool"])
+@pytest.mark.parametrize("name", CLEAN_LABEL)
 def test_clean_label_attacks_never_change_a_label(name):
     split = make_split()
     poisoned = build(name).poison_dataset(split, torch.Generator().manual_seed(0))
@@ -196,7 +202,7 @@ def test_sig_test_delta_differs_from_training_delta():
 
 
 def test_sig_defaults_are_backdoorbench_40_over_255_in_training_and_at_test_time():
-    """Finding 9 of issue 13: one named reference (BackdoorBench: sig_delta 40 on 0-255, f 6), not 60/100."""
+    """One named reference (BackdoorBench: sig_delta 40 on 0-255, f 6), not 60/100."""
     for attack in (instantiate(OmegaConf.load(CONF / "sig.yaml"), num_classes=10, image_shape=(1, 28, 28)),
                    SIG(num_classes=10, image_shape=(1, 28, 28))):
         assert math.isclose(attack.delta, 40 / 255, rel_tol=1e-8) and attack.test_delta == attack.delta
@@ -281,7 +287,7 @@ def test_lc_prepare_trains_the_surrogate_with_the_trainer():
 
 
 def test_lc_defaults_harden_against_an_adversarially_trained_surrogate_as_backdoorbench():
-    """Issue 13, finding 7: BackdoorBench's CIFAR-10 recipe (PGD 8/255, step 1.5/255, 100 steps) against
+    """BackdoorBench's CIFAR-10 recipe (PGD 8/255, step 1.5/255, 100 steps) against
     a PGD-trained surrogate (8/255, step 2/255, 10 steps), not 16/255 against a clean one."""
     for attack in (LabelConsistent(**common()),
                    instantiate(OmegaConf.load(CONF / "label_consistent.yaml"), num_classes=10, image_shape=(3, 32, 32))):
@@ -374,7 +380,7 @@ def test_trojannn_selects_most_connected_neurons():
 
 
 def test_trojannn_ranks_neurons_by_outgoing_weights_by_default():
-    """Issue 13, finding 12: the official code (fc6 units by their fc7 weights) and BackdoorBench rank
+    """The official code (fc6 units by their fc7 weights) and BackdoorBench rank
     the selected layer's units by the weights leaving them."""
     yaml_attack = instantiate(OmegaConf.load(CONF / "trojannn.yaml"), num_classes=10, image_shape=(1, 28, 28))
     assert TrojanNN(**common()).connection == yaml_attack.connection == "outgoing"
@@ -415,7 +421,7 @@ def test_trojannn_takes_the_most_connected_units_that_the_mask_can_move(selectio
     """Ranked by weight alone (BackdoorBench), the chosen units are silent on the mask: no gradient,
     and the optimization leaves them at 0 (the attack degenerates to BadNets with the mask image).
     `selection=responsive` (the quick protocol's on mnist5k) ranks only the units that fire on the start patch."""
-    assert TrojanNN(**common()).selection == "weight"  # BackdoorBench's, the default since issue 29
+    assert TrojanNN(**common()).selection == "weight"  # BackdoorBench's, the default since e1e0375
     attack = TrojanNN(**common(mask="patch", stamp="replace", patch_size=4, trigger_steps=20, trigger_lr=0.05,
                                surrogate_epochs=1, selection=selection))
     attack.prepare(trainer=InstantTrainer(), train=make_split(), generator=torch.Generator().manual_seed(0),
@@ -446,7 +452,7 @@ def test_trojannn_trigger_only_changes_the_mask_and_fires_the_neurons():
 
 
 def test_trojannn_starts_from_the_mask_image_and_stays_within_eps_of_it():
-    """Issue 13, finding 12: BackdoorBench optimizes from its mask image (here the white square) within
+    """BackdoorBench optimizes from its mask image (here the white square) within
     L_inf 0.3 of it; the old default started from a random patch the selected units were silent on."""
     yaml_attack = instantiate(OmegaConf.load(CONF / "trojannn.yaml"), num_classes=10, image_shape=(1, 28, 28))
     assert (yaml_attack.start, yaml_attack.trigger_eps, yaml_attack.trigger_steps, yaml_attack.trigger_lr) == ("mask", 0.3, 1000, 0.1)
@@ -490,7 +496,7 @@ def test_refool_ghost_and_blend_formulas_on_a_hand_case():
 
 
 def test_refool_draws_a_fresh_reflection_for_every_test_image():
-    """Finding 8 of issue 13: no bank of fixed variants; each image gets its own draw, reproducibly."""
+    """No bank of fixed variants; each image gets its own draw, reproducibly."""
     attack = Refool(**common(seed=3))
     # 300 images that differ in one pixel only: any larger difference is the reflection's
     x = torch.full((300, *SHAPE), 0.4)
@@ -537,7 +543,7 @@ def _official_vignette(side: int, nsig: float = 3.0) -> np.ndarray:
 
 
 def test_refool_focal_blur_uses_the_official_vignetted_weight():
-    """Finding 8: the reflection is weighted by (1 - alpha_t / 2) x vignette, not by (1 - alpha_t)."""
+    """The reflection is weighted by (1 - alpha_t / 2) x vignette, not by (1 - alpha_t)."""
     assert np.allclose(vignette(32, 32).numpy(), _official_vignette(32), atol=1e-6)
     mask = vignette(32, 32)
     assert float(mask.max()) == pytest.approx(1.0) and float(mask[16, 0]) < 0.15  # bright centre, dark edge
@@ -632,7 +638,7 @@ def test_label_keeping_extras_avoid_the_poisoned_samples_and_say_when_too_few_ar
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_cache_hit_describes_the_attack_as_the_run_that_filled_it(name):
-    """Issue 13, finding 11: a victim-cache hit restores the poisoned rows and `state_dict()`, not
+    """A victim-cache hit restores the poisoned rows and `state_dict()`, not
     `poison_dataset`'s draws; the record's attack block must still be the training run's (it named
     BPP's negatives and Adaptive-Blend's cover samples 0)."""
     trained = build(name)

@@ -162,7 +162,7 @@ def test_wanet_training_step_trains_on_the_poisoned_batch():
 
 
 def test_wanet_trains_on_the_augmented_warp_not_the_warped_augmentation():
-    # The official order (finding 5): warp the raw batch, then crop/flip it. Every training row is
+    # The official order: warp the raw batch, then crop/flip it. Every training row is
     # then a crop of a warped image; warping a cropped image is something else (the field is fixed
     # in image coordinates), which the old order gave.
     x, y = batch(8, seed=3)
@@ -337,7 +337,7 @@ def official_diversity(inputs1, inputs2, out1, out2, mean, std, normalise_output
 
 
 def test_iad_diversity_is_measured_on_normalised_images_as_the_official_code():
-    # Finding 6: on a CIFAR-like batch, the mask pre-training's diversity (images normalised, masks
+    # On a CIFAR-like batch, the mask pre-training's diversity (images normalised, masks
     # not) and the joint one (images and patterns normalised) equal the official formula.
     g = torch.Generator().manual_seed(0)
     x1, x2, p1, p2 = (torch.rand(6, 3, 8, 8, generator=g) for _ in range(4))
@@ -368,7 +368,7 @@ def test_iad_uses_the_official_normaliser_of_each_dataset(dataset, std):
 def test_the_pipeline_gives_input_aware_its_datasets_normaliser(compose_cfg):
     from types import SimpleNamespace
 
-    from backdoorbench.pipeline import build_attack
+    from backdoorbench.factory import build_attack
 
     cfg = compose_cfg("attack=input_aware", "attack.channels=4")
     data = SimpleNamespace(num_classes=10, image_shape=(1, 28, 28), name="mnist5k")

@@ -1,4 +1,4 @@
-"""Finding 10 of issue 13: a clean-label attack's poison rate is a share of the target class, so
+"""A clean-label attack's poison rate is a share of the target class (since 5bba9cf), so
 every clean-label default runs on many-class data where the target class is far below 10% of
 the set, and a rate that cannot be met fails before any surrogate trains."""
 
@@ -11,6 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from backdoorbench import registry
 from backdoorbench.attacks.label_consistent import LabelConsistent
 from backdoorbench.attacks.sig import SIG
 from backdoorbench.attacks.trojannn import TrojanNN
@@ -18,7 +19,7 @@ from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
-CLEAN_LABEL = ("sig", "label_consistent", "refool")
+CLEAN_LABEL = [name for name, cls in registry.classes("attack", builtin_only=True).items() if cls.clean_label]
 
 
 def skewed_labels(num_classes: int, per_class: int, target_count: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from backdoorbench.records import load_record
+from backdoorbench.records import SCHEMA_VERSION, load_record
 from tests.conftest import run_cli
 
 
@@ -61,4 +61,4 @@ def test_leaderboard_module_runs_on_app_output(tmp_path):
     text = (tmp_path / "leaderboard" / "leaderboard.md").read_text()
     assert "## mnist5k" in text and "| mnist_cnn | badnets | all2one(0) | 0 ep | – | 1 |" in text
     assert (tmp_path / "leaderboard" / "leaderboard.html").is_file() and (tmp_path / "leaderboard" / "attacks.csv").is_file()
-    assert json.loads(records_under(tmp_path)[0].read_text())["schema_version"] == 2
+    assert json.loads(records_under(tmp_path)[0].read_text())["schema_version"] == SCHEMA_VERSION

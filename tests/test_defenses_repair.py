@@ -23,7 +23,7 @@ from backdoorbench.defenses.abl import AntiBackdoorLearning, isolate_lowest_loss
 from backdoorbench.defenses.anp import AdversarialNeuronPruning, NoisyBatchNorm2d
 from backdoorbench.defenses.base import DefenseContext, clean_subset_indices
 from backdoorbench.defenses.clp import ChannelLipschitzPruning
-from backdoorbench.defenses.fine_pruning import FinePruning, conv_stage_outputs, prune_last_stage
+from backdoorbench.defenses.fine_pruning import FinePruning, prune_last_stage
 from backdoorbench.defenses.fine_tuning import FineTuning
 from backdoorbench.defenses.i_bau import ImplicitBackdoorAdversarialUnlearning, implicit_hypergradient
 from backdoorbench.defenses.nad import NeuralAttentionDistillation, attention_map
@@ -32,6 +32,7 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.accuracy import evaluate
 from backdoorbench.models.base import ImageClassifier, Normalized
 from backdoorbench.models.mnist_cnn import MnistCNN
+from backdoorbench.models.taps import conv_stage_outputs
 from backdoorbench.train import Trainer
 
 TARGET = 0

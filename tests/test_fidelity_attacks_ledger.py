@@ -5,18 +5,14 @@ import re
 from pathlib import Path
 
 import pytest
-from hydra.utils import get_class
-from omegaconf import OmegaConf
-
 import backdoorbench
+from backdoorbench import registry
 
 ROOT = Path(backdoorbench.__file__).parent
 LEDGER = ROOT.parent / "docs" / "fidelity.md"
 COMMIT = re.compile(r"`([\w.-]+/[\w.-]+)@([0-9a-f]{40})(:[^`]+)?`")
-# The attacks whose docstrings issue 13's attack-ledger work owns; WaNet, Input-aware, LIRA and WB
-# have sections too, their docstrings are edited with their own findings.
-POINTED = ("badnets", "blended", "sig", "label_consistent", "refool", "bpp", "trojannn", "adaptive_blend")
-ATTACKS = sorted(p.stem for p in (ROOT / "conf" / "attack").glob("*.yaml"))
+ATTACKS = registry.builtin_names("attack")
+POINTED = [name for name in ATTACKS if name != "none"]  # the clean control has no source to point to
 
 
 def sections() -> dict[str, str]:
@@ -35,7 +31,7 @@ def test_every_attack_has_a_section_with_the_table_and_a_source_at_a_commit(name
 
 @pytest.mark.parametrize("name", POINTED)
 def test_the_docstring_points_to_its_section(name):
-    cls = get_class(OmegaConf.load(ROOT / "conf" / "attack" / f"{name}.yaml")._target_)
+    cls = registry.method_class("attack", name)
     anchor = re.search(r"docs/fidelity\.md#([\w-]+)", cls.__doc__ or "")
     assert anchor, f"{cls.__name__}'s docstring names no ledger section"
     assert anchor[1] in sections()

@@ -4,13 +4,12 @@ import re
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-
 import backdoorbench
+from backdoorbench import registry
 
 ROOT = Path(backdoorbench.__file__).parent
 LEDGER = ROOT.parent / "docs" / "fidelity.md"
-DEFENSES = sorted(p.stem for p in (ROOT / "conf" / "defense").glob("*.yaml") if p.stem != "none")
+DEFENSES = sorted(registry.classes("defense", builtin_only=True))  # defense=none builds nothing
 COMMIT = re.compile(r"`[\w.-]+/[\w.-]+@[0-9a-f]{40}(:[^`]+)?`")
 
 
@@ -22,9 +21,7 @@ def sections() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", DEFENSES)
 def test_every_defense_has_a_ledger_section_its_docstring_points_to(name):
-    from hydra.utils import get_class
-
-    cls = get_class(OmegaConf.load(ROOT / "conf" / "defense" / f"{name}.yaml")._target_)
+    cls = registry.method_class("defense", name)
     anchor = re.search(r"docs/fidelity\.md#([\w-]+)", cls.__doc__ or "")
     assert anchor, f"{cls.__name__}'s docstring names no ledger section"
     body = sections().get(anchor[1])

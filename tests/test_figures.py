@@ -10,10 +10,13 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
-from backdoorbench import figures
 from backdoorbench.errors import ConfigError
-from backdoorbench.figures import FIGURES, ROWS_PER_PAGE, Run, main, write_figures
-from backdoorbench.leaderboard import load_records_with_paths
+from backdoorbench.report import fig_defenses, fig_examples, fig_robust, fig_sweeps, plot
+from backdoorbench.report.figures import FIGURES, main, write_figures
+from backdoorbench.report.plot import ROWS_PER_PAGE, Run
+from backdoorbench.report.query import load_records_with_paths
+
+DRAWING = (plot, fig_defenses, fig_sweeps, fig_robust)  # the modules that save a figure (plot: pages of one)
 from backdoorbench.records import save_record
 from tests.test_records import make_record
 
@@ -97,12 +100,13 @@ def synthetic_runs(tmp_path, attacks=ATTACKS, modes=("all2one",)):
 def drawn(monkeypatch):
     """Every matplotlib figure saved, kept for inspection."""
     kept = []
-    save = figures.save_figure
+    save = plot.save_figure
 
     def keep(fig, out_dir, stem):
         kept.append(fig)
         return save(fig, out_dir, stem)
-    monkeypatch.setattr(figures, "save_figure", keep)
+    for module in DRAWING:
+        monkeypatch.setattr(module, "save_figure", keep)
     return kept
 
 
@@ -122,18 +126,18 @@ def longest_blank_band(png):
     return longest
 
 
-@pytest.mark.parametrize("draw", [figures.trigger_gallery, figures.gradcam_heatmaps])
+@pytest.mark.parametrize("draw", [fig_examples.trigger_gallery, fig_examples.gradcam_heatmaps])
 def test_gallery_and_gradcam_are_pages_of_six_rows_with_colour_bars_and_clear_labels(tmp_path, drawn, draw,
                                                                                    monkeypatch):
-    monkeypatch.setattr(figures, "EXAMPLES_SHOWN", 1)  # the rows are the point here; one example keeps it fast
+    monkeypatch.setattr(fig_examples, "EXAMPLES_SHOWN", 1)  # the rows are the point here; one example keeps it fast
     runs = synthetic_runs(tmp_path, ATTACKS[:7])  # 7 rows: 2 pages of 4 and 3
     paths = draw(runs, tmp_path)
     pngs = sorted(p for p in paths if p.suffix == ".png")
     assert [p.name.rsplit("_", 1)[1] for p in pngs] == ["page1.png", "page2.png"]
     rows = [[ax for ax in fig.axes if ax.get_ylabel() and ax.get_label() != "<colorbar>"] for fig in drawn]
     assert [len(r) for r in rows] == [4, 3]
-    assert [len(page) for page in figures._pages(dict.fromkeys(range(24)))] == [6] * 4
-    assert [len(page) for page in figures._pages(dict.fromkeys(range(16)))] == [6, 5, 5]
+    assert [len(page) for page in plot.pages_of(dict.fromkeys(range(24)))] == [6] * 4
+    assert [len(page) for page in plot.pages_of(dict.fromkeys(range(16)))] == [6, 5, 5]
     assert ROWS_PER_PAGE == 6
     for fig, png, labelled in zip(drawn, pngs, rows):
         assert longest_blank_band(png) < 40  # no blank band under the title (it was 532 px)
@@ -163,7 +167,7 @@ def test_poison_rate_is_on_a_log_axis_with_no_empty_panel_and_a_legend_off_the_c
                              metrics={"attacked": {"clean_acc": 0.98, "asr": asr, "ra": 0.0}, "defended": None, "der": None},
                              config={"seed": 0, "trainer": {"epochs": 10}, "attack": {"poison_rate": rate}})
         runs.append(Run(record, tmp_path / f"{k}.json"))
-    figures.poison_rate_curves(runs, tmp_path)
+    fig_sweeps.poison_rate_curves(runs, tmp_path)
     (fig,) = drawn
     panels = [ax for ax in fig.axes if ax.get_visible() and ax.lines]
     assert len(panels) == 4 and all(ax.get_xscale() == "log" for ax in panels)
@@ -179,13 +183,13 @@ def test_poison_rate_is_on_a_log_axis_with_no_empty_panel_and_a_legend_off_the_c
 
 @pytest.mark.parametrize("count, columns, spare", [(2, 2, 0), (4, 4, 0), (5, 3, 1), (6, 3, 0), (7, 4, 1), (8, 3, 1)])
 def test_panels_leave_at_most_the_legend_slot_free(count, columns, spare):
-    assert figures._panel_columns(count) == columns and -count % columns == spare
+    assert plot.panel_columns(count) == columns and -count % columns == spare
 
 
 def test_defense_panels_name_attack_and_setting_and_share_one_legend(tiny_results, tmp_path, drawn):
     results = copy_runs(tiny_results, tmp_path)
     runs = [Run(record, path) for record, path in load_records_with_paths(results)]
-    for draw in (figures.neural_cleanse_anomaly, figures.strip_histograms, figures.fine_pruning_curves):
+    for draw in (fig_defenses.neural_cleanse_anomaly, fig_defenses.strip_histograms, fig_defenses.fine_pruning_curves):
         assert draw(runs, tmp_path)
     for fig, number in zip(drawn, (3, 4, 5)):
         panels = [ax for ax in fig.axes if ax.get_visible() and (ax.lines or ax.patches)]
@@ -210,14 +214,11 @@ def test_attacks_chooses_the_rows(tiny_results, tmp_path, capsys):
 def test_a_model_keeps_its_colour_in_every_robust_accuracy_panel(tiny_results, tmp_path, monkeypatch):
     """The transfer panels hold only the defended models: each model must keep the colour the shared
     legend gives it (the colour cycle restarting per panel drew lambda 0 in the plain model's blue)."""
-    from backdoorbench import figures
-    from backdoorbench.figures import Run, robust_accuracy_curves
-
     drawn = []
-    monkeypatch.setattr(figures, "save_figure", lambda fig, out, stem: drawn.append(fig) or [])
+    monkeypatch.setattr(fig_robust, "save_figure", lambda fig, out, stem: drawn.append(fig) or [])
     _, results = tiny_results
     runs = [Run(record, path) for record, path in load_records_with_paths(results) if record.defense["name"] == "angular_margin"]
-    robust_accuracy_curves(runs, tmp_path)
+    fig_robust.robust_accuracy_curves(runs, tmp_path)
     (fig,) = drawn
     colours: dict[str, set] = {}
     for ax in fig.axes:
@@ -243,12 +244,33 @@ def test_a_figure_shows_the_run_of_the_canonical_row_not_an_older_sweep(tmp_path
         run.record.run_id, run.record.group_id, run.record.seed = f"ffff000{seed}", "g_now", seed
         run.record.config = {"attack": {"pattern": "white"}, "trainer": {"epochs": 10}}
         current.append(run)
-    picked = figures.pick_per_attack([old, *current], ("examples_clean",))["mnist5k"]["badnets all2one"]
+    picked = plot.pick_per_attack([old, *current], ("examples_clean",))["mnist5k"]["badnets all2one"]
     assert picked is current[0]
-    assert figures.pick_per_attack([old], ("examples_clean",))["mnist5k"]["badnets all2one"] is old
+    assert plot.pick_per_attack([old], ("examples_clean",))["mnist5k"]["badnets all2one"] is old
 
 
 def test_every_defense_curve_of_the_reactivation_figure_has_its_own_colour():
     """12 curves (the victim and 11 defenses) drew two pairs in one colour with tab10 alone."""
-    colours = [figures._distinct_colour(i) for i in range(19)]
+    colours = [plot.distinct_colour(i) for i in range(19)]
     assert len(set(colours)) == 19
+
+
+def test_a_seed_run_twice_at_one_swept_value_counts_once_its_newest_run(tmp_path, drawn):
+    """Two records of one setting and seed (made under two schemas, alike once upgraded) are one
+    measurement: the point is the mean over seeds of each seed's newest run, not over both."""
+    runs = []
+    for name, rate, seed, day, asr in (("old", 0.1, 0, 1, 0.2), ("new", 0.1, 0, 2, 0.4), ("s1", 0.1, 1, 1, 0.6),
+                                       ("low", 0.01, 0, 1, 0.1)):
+        record = make_record(run_id=name, group_id=f"g{rate}", seed=seed, created_at=f"2026-12-0{day}T00:00:00+00:00",
+                             defense={"name": "none"},
+                             attack={"name": "badnets", "target_mode": "all2one", "target": 0, "poison_rate": rate,
+                                     "n_poisoned": 1, "poisoned_indices_sha256": "0" * 64},
+                             metrics={"attacked": {"clean_acc": 0.98, "asr": asr, "ra": 0.0}, "defended": None, "der": None},
+                             config={"seed": seed, "trainer": {"epochs": 10}, "attack": {"poison_rate": rate}})
+        runs.append(Run(record, tmp_path / f"{name}.json"))
+    by_value = fig_sweeps.one_per_seed(runs, lambda run: run.record.attack["poison_rate"])
+    assert {x: [r.run_id for r in records] for x, records in by_value.items()} == {0.01: ["low"], 0.1: ["new", "s1"]}
+    fig_sweeps.poison_rate_curves(runs, tmp_path)
+    (fig,) = drawn
+    asr = next(c for ax in fig.axes for c in ax.containers if c.get_label() == "ASR")
+    assert list(asr.lines[0].get_ydata()) == pytest.approx([10.0, 50.0])

@@ -1,4 +1,4 @@
-"""Signal-safe writes and file-system faults in one line (issue 35).
+"""Signal-safe writes and file-system faults in one line.
 
 A termination signal (Slurm's SIGUSR2 warning, SIGTERM, Ctrl-C) that arrives while a checkpoint is
 being written is handled once the file is whole and in place; a finished submitit job ignores a

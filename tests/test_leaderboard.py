@@ -1,7 +1,7 @@
-"""The leaderboard is built from records only: tables per dataset, mean/std/n over seeds, the n < 3
-flag, setting labels, filters, canonical rows apart from the sweeps, columns that carry nothing
-hidden, the HTML page (sorted per table in a real headless Chromium), and broken records skipped
-with a warning."""
+"""The leaderboard is built from records only: the defense x attack matrix first, tables per dataset,
+mean/std/n over seeds, the n < 3 flag, setting labels, filters, canonical rows apart from the sweeps,
+columns that carry nothing hidden, the HTML page (sorted per table in a real headless Chromium), and
+broken records skipped with a warning."""
 
 import csv
 import re
@@ -12,8 +12,9 @@ from html.parser import HTMLParser
 import pytest
 
 from backdoorbench.errors import ConfigError
-from backdoorbench.leaderboard import (DEFENSE_COLUMNS, Cell, cell_text, main, rerun_command, setting_labels,
-                                       write_leaderboard)
+from backdoorbench.leaderboard import main, write_leaderboard
+from backdoorbench.report.cells import DEFENSE_COLUMNS, Cell, cell_text
+from backdoorbench.report.query import rerun_command, setting_label
 from backdoorbench.records import save_record
 from tests.chromium import Chromium, find_chromium
 from tests.test_records import make_record
@@ -83,11 +84,12 @@ def test_attack_and_defense_tables_are_means_over_seeds(tmp_path):
     assert float(default["ca_std"]) == pytest.approx(statistics.stdev([0.97, 0.95, 0.96]))
     assert float(default["psnr_mean"]) == pytest.approx(22.0) and float(default["psnr_std"]) == pytest.approx(1.0)
     assert float(default["lpips_mean"]) == pytest.approx(0.02) and default["lpips_n"] == "3"
-    # Different settings of one attack are different rows, labelled by what differs.
-    assert default["setting"] == "epochs=10"
+    # Different settings of one attack are different rows; the setting column names the method's own
+    # values off its defaults (none here), the training column the victim's budget.
+    assert default["setting"] == ""
     short = next(r for r in attacks if r["group_id"] == "ge")
     assert default["training"] == "10 ep" and short["training"] == "1 ep"  # the budget is visible on every row
-    assert short["setting"] == "epochs=1" and short["n"] == "2" and short["lpips_n"] == "0" and short["lpips_mean"] == ""
+    assert short["setting"] == "" and short["n"] == "2" and short["lpips_n"] == "0" and short["lpips_mean"] == ""
     defenses = read_csv(files.csv["defenses"])
     ft = next(r for r in defenses if r["defense"] == "fine_tuning")
     assert float(ft["asr_after_mean"]) == pytest.approx(0.2) and float(ft["asr_after_std"]) == pytest.approx(0.1)
@@ -97,27 +99,26 @@ def test_attack_and_defense_tables_are_means_over_seeds(tmp_path):
 
     text = files.markdown.read_text()
     mnist, cifar = text.index("## mnist5k"), text.index("## cifar10")
-    assert cifar < mnist  # one section per dataset, sorted
+    assert text.index("## Defense x attack") < cifar < mnist  # the matrix first, then a section per dataset, sorted
     assert text.count("### Attacks (no defense)") == 2 and text.count("### Defenses") == 1
     lines = {line.split("`")[-2]: line for line in text.splitlines() if line.startswith("| ") and "`" in line}
     assert "| 96.00 ± 1.00 |" in lines["ga"] and "†" not in lines["ga"]  # n = 3: no flag
     assert "| 22.00 ± 1.00 |" in lines["ga"]
-    assert "†" in lines["ge"] and "| epochs=1 | 2 |" in lines["ge"]  # n = 2: flagged
+    assert "†" in lines["ge"] and "| 1 ep | 2 |" in lines["ge"]  # n = 2: flagged
     # model, mode, training and setting are the same in every defense row: stated once, not per row
     assert "| strip | badnets | 1 |" in lines["gs"] and "0.970 †" in lines["gs"]
     assert "In every row: model mnist_cnn, mode all2one(0), training 10 ep, setting –." in text
     assert "† fewer than 3 seeds" in text
 
 
-def test_setting_labels_name_only_what_differs():
-    a = {"trainer": {"epochs": 10}, "attack": {"poison_rate": 0.1}, "defense": {"epochs": 5}, "seed": 0}
-    b = {"trainer": {"epochs": 1}, "attack": {"poison_rate": 0.05}, "defense": {"epochs": 5}, "seed": 1}
-    c = {"trainer": {"epochs": 10}, "attack": {"poison_rate": 0.1}, "defense": {"epochs": 2}, "seed": 0}
-    assert setting_labels([a, b]) == ["epochs=10, poison_rate=0.1", "epochs=1, poison_rate=0.05"]
-    # two differing keys with the same last name keep their full path
-    assert setting_labels([a, b, c])[2] == "defense.epochs=2, poison_rate=0.1, trainer.epochs=10"
-    assert setting_labels([a]) == [""]
-    assert setting_labels([a, {**a, "seed": 3, "results_dir": "x"}]) == ["", ""]  # seed and results_dir never count
+def test_a_setting_label_names_the_methods_own_values_off_their_defaults():
+    assert setting_label({"attack": {"poison_rate": 0.05, "pattern": "white"}, "defense": {"lr": 0.01}}) == \
+        "lr=0.01, pattern=white, poison_rate=0.05"
+    # a key both methods set keeps its owner; values print as %g, lists and null as JSON
+    assert setting_label({"attack": {"epochs": 30}, "defense": {"epochs": 2, "betas": [500, 1000], "x": None}}) == \
+        "attack.epochs=30, betas=[500, 1000], defense.epochs=2, x=null"
+    assert setting_label({"attack": {}, "defense": {}}) == "" and setting_label({}) == ""
+    assert setting_label({"defense": {"clean_fraction": 0.01, "u": 3.0}}, ("clean_fraction",)) == "u=3"
 
 
 def test_filters_select_dataset_model_and_target_mode(tmp_path):
@@ -177,7 +178,10 @@ def test_html_page_is_self_contained_with_sortable_tables(tmp_path):
     page = write_leaderboard(tmp_path).html.read_text()
     parser = TableParser()
     parser.feed(page)
+    grids = [t for t in parser.tables if t["class"] == "grid"]
+    parser.tables = [t for t in parser.tables if t["class"] != "grid"]
     assert len(parser.tables) == 3 and all(t["class"] == "sortable" for t in parser.tables)
+    assert len(grids) == 2 and page.index('class="grid"') < page.index('class="sortable"')  # the page opens on them
     assert parser.scripts == [{}]  # one inline script, no src: nothing is fetched
     assert "http://" not in page and "https://" not in page and "addEventListener(\"click\"" in page
     attacks = next(t for t in parser.tables if "PSNR dB" in t["header"] and len(t["rows"]) > 2)
@@ -229,7 +233,7 @@ def test_ca_vs_clean_compares_with_the_control_trained_the_same_way(tmp_path):
 
 
 def test_a_record_of_an_older_trainer_schema_finds_its_control_by_what_it_computed(tmp_path):
-    """Session-6 records carry the retired `trainer.amp` and lack `rotation`; a CPU run never
+    """Records of commit 6e38712 carry the retired `trainer.amp` and lack `rotation`; a CPU run never
     autocast, so amp: true on the CPU trained as precision=auto does there (fp32): the same control.
     On CUDA amp meant bf16, which a CPU fp32 control does not match."""
     runs = tmp_path / "runs"
@@ -310,7 +314,7 @@ def test_canonical_rows_are_one_per_attack_and_mode_the_rest_are_sweeps(tmp_path
     assert canonical < mnist.index("`gl`") < mnist.index("`gn`") < other < mnist.index("`ga`")
     assert "#### Canonical (2 rows)" in mnist  # the defenses
     page = files.html.read_text()
-    assert page.count('<tr class="canonical">') == 6 and page.count('<tr class="other">') == 4
+    assert page.count(' class="canonical">') == 6 and page.count(' class="other">') == 4
 
 
 def test_columns_that_carry_nothing_are_hidden_and_zero_spreads_not_printed(tmp_path):
@@ -321,14 +325,15 @@ def test_columns_that_carry_nothing_are_hidden_and_zero_spreads_not_printed(tmp_
     files = write_leaderboard(tmp_path)
     text = files.markdown.read_text()
     header = next(line for line in text.splitlines() if line.startswith("| attack"))
-    assert header == "| attack | training | setting | n | CA % | ASR % | RA % | PSNR dB | SSIM | config |"
-    assert "In every row: model mnist_cnn, mode all2one(0). Not shown, no row has a value: LPIPS, ΔCA vs clean." in text
+    assert header == "| attack | training | n | CA % | ASR % | RA % | PSNR dB | SSIM | config |"
+    assert "In every row: model mnist_cnn, mode all2one(0), setting –. Not shown, no row has a value: LPIPS, ΔCA vs clean." in text
     row = next(line for line in text.splitlines() if "`ga`" in line)
     assert row.endswith("| 3 | 97.00 ± 1.00 | 100.00 | 0.00 | 21.00 | 0.9000 | `ga` |")  # no "± 0.00"
     assert "± 0.0" not in text and "± 0.0" not in files.html.read_text()
     parser = TableParser()
     parser.feed(files.html.read_text())
-    assert parser.tables[0]["header"][:3] == ["attack", "training", "setting"] and "LPIPS" not in parser.tables[0]["header"]
+    sortable = [t for t in parser.tables if t["class"] == "sortable"]
+    assert sortable[0]["header"][:3] == ["attack", "training", "n"] and "LPIPS" not in sortable[0]["header"]
     assert read_csv(files.csv["attacks"])[0]["lpips_n"] == "0"  # the CSV keeps every column
 
 
@@ -374,7 +379,7 @@ def test_every_numeric_header_of_every_table_sorts_in_a_real_browser(tmp_path):
     for group, rate in (("1e10aaaa", 0.01), ("9f00aaaa", 0.02), ("0d21aaaa", 0.05), ("5aaaaaaa", 0.2)):
         save(runs, group, group=group, seed=0, attacked=(0.9 - rate, 4 * rate, 0.1), cfg=config(rate=rate))
     page = write_leaderboard(tmp_path).html
-    with Chromium(BROWSER, width=700, height=300) as browser:
+    with Chromium(BROWSER, width=700, height=220) as browser:
         browser.open(page)
         tables = browser.evaluate(PAGE_STATE)
         assert [len(t["rows"]) for t in tables] == [1, 7, 2]  # cifar10 attacks, mnist5k attacks, defenses
@@ -415,31 +420,46 @@ def test_every_numeric_header_of_every_table_sorts_in_a_real_browser(tmp_path):
         top = browser.evaluate(f"{box}.scrollTop = 1e6, {box}.scrollTop")
         gap = browser.evaluate(f"{box}.querySelector('th').getBoundingClientRect().top - {box}.getBoundingClientRect().top")
         assert top > 0 and 0 <= gap <= 2
+        # a matrix cell is a link to its row in the tables
+        browser.click(*center_of(browser, "table.grid td a"))
+        assert browser.evaluate("location.hash") == "#row-gc"
+        assert browser.evaluate("document.querySelector('tr:target').id") == "row-gc"
         assert browser.errors == []
 
 
 def test_an_old_record_of_an_excluded_pair_is_n_a_too(tmp_path):
-    # Records made before the pipeline asked the defense carry no `applicable`: the leaderboard
-    # judges them from the classes their config names, so ABL vs WaNet is n/a, ABL vs BadNets is not.
+    # A record made before the pipeline asked the defense (schema 2: no `applicable`, no `report`)
+    # is upgraded on load with the judgement frozen for its classes: ABL vs WaNet is n/a, vs BadNets not.
+    import json
+
     runs = tmp_path / "runs"
     for attack, cls in (("wanet", "WaNet"), ("badnets", "BadNets")):
         cfg = config(attack=attack, defense={"_target_": "backdoorbench.defenses.abl.AntiBackdoorLearning"})
         cfg["attack"]["_target_"] = f"backdoorbench.attacks.{attack}.{cls}"
         save(runs, f"o{attack}", group=f"g{attack}", seed=0, attack=attack, defense="abl",
              defended=(0.95, 0.1, 0.8), der=0.95, cfg=cfg)
+        path = runs / "mnist5k" / f"{attack}_all2one" / f"o{attack}.json"
+        data = json.loads(path.read_text())
+        del data["report"]
+        path.write_text(json.dumps({**data, "schema_version": 2}))
     rows = {r["group_id"]: r for r in read_csv(write_leaderboard(tmp_path).csv["defenses"])}
     assert rows["gwanet"]["der_mean"] == "n/a" and rows["gwanet"]["asr_after_mean"] == "n/a"
     assert float(rows["gbadnets"]["der_mean"]) == 0.95
 
 
-def test_a_key_only_one_schema_has_does_not_label_a_row():
-    """Records older than a config key lack it; that is no choice of setting. A key that differs in
-    value labels the rows; presence alone labels them only when nothing else tells them apart."""
-    from backdoorbench.leaderboard import setting_labels
-    old, new = {"attack": {"poison_rate": 0.1}}, {"attack": {"poison_rate": 0.2}, "eval": {"probe": {"lr": 0.1}}}
-    assert setting_labels([old, new]) == ["poison_rate=0.1", "poison_rate=0.2"]
-    same_old, same_new = {"attack": {"poison_rate": 0.1}}, {"attack": {"poison_rate": 0.1}, "eval": {"probe": {"lr": 0.1}}}
-    assert setting_labels([same_old, same_new]) == ["config without lr (another schema)", ""]
+def test_the_setting_column_names_only_the_methods_own_values_never_a_schema(tmp_path):
+    """Records older than a config key lack it, and a row whose optional stage ran has more eval keys:
+    neither is a setting. The label is the record's `report.setting`: the attack's and the defense's
+    own values off their protocol's defaults, so an older schema never labels a row."""
+    runs = tmp_path / "runs"
+    older = config()
+    newer = config() | {"eval": {"probe": {"lr": 0.1}, "reactivation": {"enabled": True, "epochs": 5}}}
+    save(runs, "o0", group="go", seed=0, cfg=older)
+    save(runs, "n0", group="gn", seed=0, cfg=newer)
+    save(runs, "r0", group="gr", seed=0, cfg=config(rate=0.05))
+    rows = {r["group_id"]: r for r in read_csv(write_leaderboard(tmp_path).csv["attacks"])}
+    assert rows["go"]["setting"] == rows["gn"]["setting"] == "" and rows["gr"]["setting"] == "poison_rate=0.05"
+    assert "another schema" not in (tmp_path / "leaderboard" / "leaderboard.md").read_text()
 
 
 def test_the_canonical_attack_row_is_the_one_at_the_attack_defaults():
@@ -449,17 +469,6 @@ def test_the_canonical_attack_row_is_the_one_at_the_attack_defaults():
     assert not attack_at_defaults({"poison_rate": 0.1}, "no_such_attack")
 
 
-def test_an_optional_stage_labels_a_row_by_whether_it_ran():
-    """A record older than eval.reactivation and one with it off are one setting; the row whose
-    stage ran is `reactivation=on`, not a list of the keys the older schema lacks."""
-    stage = {"enabled": False, "epochs": 5, "lr": 0.01, "probe": {"eps": 0.06, "epochs": 50}}
-    older = config()
-    off = config() | {"eval": {"reactivation": stage}}
-    on = config() | {"eval": {"reactivation": stage | {"enabled": True}}}
-    assert setting_labels([older, on]) == ["reactivation=off", "reactivation=on"]
-    assert setting_labels([older, off]) == ["", ""]
-
-
 def test_a_cost_cell_gives_its_mean_and_std_the_same_decimals():
     passes = next(c for c in DEFENSE_COLUMNS if c.key == "passes_per_img")
     # activation clustering's passes over three seeds: 12.97, 13.05, 13.01 (a std of 0.04)
@@ -467,3 +476,29 @@ def test_a_cost_cell_gives_its_mean_and_std_the_same_decimals():
     cell = Cell(mean=statistics.mean(values), std=statistics.stdev(values), n=3)
     assert cell_text(cell, passes, row_n=3) == "13.01 ± 0.04"
     assert cell_text(Cell(mean=0.00025, std=0.0, n=3), passes, row_n=3) == "0.00"
+
+
+def test_the_board_opens_on_the_defense_x_attack_matrix_of_canonical_cells(tmp_path):
+    write_runs(tmp_path)
+    reason = "wanet controls the victim's training; abl reads the stored training split"
+    save(tmp_path / "runs", "x0", group="gx", seed=0, attack="wanet", mode="all2all", defense="abl", defended=(0.9, 0.9, 0.0),
+         der=0.5, cfg=config(attack="wanet", mode="all2all", defense={"_target_": "backdoorbench.defenses.abl.X"}))
+    path = tmp_path / "runs" / "mnist5k" / "wanet_all2all" / "x0.json"
+    path.write_text(path.read_text().replace('"applicable": true', '"applicable": false').replace(
+        '"not_applicable": null', f'"not_applicable": "{reason}"'))
+    files = write_leaderboard(tmp_path)
+    text = files.markdown.read_text()
+    grid = text.split("### mnist5k, quick protocol, mnist_cnn")[1].split("\n\n")[1].splitlines()
+    # the undefended victim first, then the defenses; the columns are the attacks a defense met
+    assert grid[0] == "| defense | badnets all2one(0) | wanet all2all |"
+    assert grid[2] == "| none | 96.0 ± 1.0 / 99.0 ± 1.0 (n=3) | 93.0 / 80.0 (n=1 †) |"
+    assert grid[3:] == ["| abl | – | n/a |", "| fine_tuning | 95.0 / 20.0 ± 10.0 (n=3) | – |",
+                        "| strip | 90.0 / 5.0 (n=1 †) | – |"]
+    # a dataset no defense was run on: the victims of every attack
+    assert "### cifar10, quick protocol, preact_resnet18\n\n| defense | badnets all2one(0) |" in text
+    assert text.index("## Defense x attack") < text.index("## cifar10, quick protocol")
+    page = files.html.read_text()
+    assert page.index('id="matrix"') < page.index('id="tables"')
+    cell = re.search(r'<td style="background: ([^"]+)"[^>]*><a href="#row-gs">', page)
+    assert cell and cell.group(1) == "hsl(114, 70%, 82%)"  # 5% ASR after: near green
+    assert 'id="row-gs"' in page and f'title="{reason}">n/a<' in page.replace("&#x27;", "'")

@@ -1,4 +1,4 @@
-"""The fidelity ledger as data (docs/ledger/*.yaml, issue 29): docs/fidelity.md is rendered from it,
+"""The fidelity ledger as data (docs/ledger/*.yaml): docs/fidelity.md is rendered from it,
 every row names its source at a commit and line, every departure from the official value gives a
 reason, every key of a method's config has a row, and the config resolves, method x dataset x
 protocol as `python -m backdoorbench --cfg job --resolve` does, to the ledger's `ours`. The quick
@@ -24,6 +24,9 @@ CONF = Path(backdoorbench.config.__file__).parent / "conf"
 ATTACKS = sorted(p.stem for p in (CONF / "attack").glob("*.yaml"))
 DEFENSES = sorted(p.stem for p in (CONF / "defense").glob("*.yaml"))
 SECTIONS = ledger.section_names()
+# Attacks whose protocol sets trainer values of their own (conf/protocol_attack/<protocol>/<dataset>/<attack>.yaml):
+# the trainer then differs from the protocol's, so a defense's section is not checked beside them.
+OWN_TRAINER = {p.stem for p in (CONF / "protocol_attack").rglob("*.yaml") if not p.stem.startswith("_")}
 LISTED = re.compile(r"\| ([0-9a-f]{40}) \|")
 
 
@@ -37,13 +40,14 @@ def method_of(section: str) -> tuple[str, str] | None:
 
 
 def overrides_for(section: str) -> tuple[str, ...]:
-    """One attack and one defense per composition: attack i rides with defense i, halving the cost."""
+    """One attack and one defense per composition: attack i rides with defense i, halving the cost
+    (a defense rides with badnets where attack i has trainer values of its own)."""
     method = method_of(section)
     if method is None:
         return ()
     group, name = method
     index = (ATTACKS if group == "attack" else DEFENSES).index(name)
-    attack = ATTACKS[index] if index < len(ATTACKS) else "badnets"
+    attack = ATTACKS[index] if index < len(ATTACKS) and ATTACKS[index] not in OWN_TRAINER else "badnets"
     defense = DEFENSES[index] if index < len(DEFENSES) else "none"
     return (f"attack={name if group == 'attack' else attack}", f"defense={name if group == 'defense' else defense}")
 

@@ -2,7 +2,8 @@
 
 import torch
 
-from backdoorbench.pipeline import config_hash, run
+from backdoorbench.config import config_hash
+from backdoorbench.pipeline import run
 
 
 def test_same_seed_same_numbers_and_other_seed_other_numbers(tmp_path, compose_cfg):

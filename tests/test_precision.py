@@ -98,7 +98,7 @@ def test_auto_is_fp32_on_the_cpu_and_the_attacks_precision_on_cuda():
 
 
 def test_a_bad_precision_is_refused_before_any_data_loads(compose_cfg):
-    from backdoorbench.pipeline import validate_config
+    from backdoorbench.validation import validate_config
 
     with pytest.raises(ConfigError, match=r"trainer.precision='half' is unknown"):
         validate_config(compose_cfg("trainer.precision=half"))  # checks without data

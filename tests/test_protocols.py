@@ -1,4 +1,4 @@
-"""Issue 18's protocols: a defense's cost in passes and FLOPs, its benign false positives on a
+"""The defense protocols: a defense's cost in passes and FLOPs, its benign false positives on a
 clean victim, the clean-data budget figure and the sensitivity spread."""
 
 from __future__ import annotations
@@ -190,16 +190,16 @@ def test_leaderboard_shows_cost_benign_fp_from_the_clean_victim_and_the_spread_o
         save_defense_run(runs, f"t{threshold}", asr_after=asr, cfg=nc_config(threshold=threshold), cost=cost)
     save_defense_run(runs, "other", asr_after=0.9, cfg=nc_config(clean_fraction=0.05))  # another key: not in the sweep
     rows = {(r["attack"], r["setting"]): r for r in csv.DictReader(write_leaderboard(tmp_path).csv["defenses"].open())}
-    default = rows[("badnets", "anomaly_threshold=2, clean_fraction=0.1")]
+    default = rows[("badnets", "")]  # the setting names only values off the defense's defaults
     assert float(default["asr_spread_mean"]) == pytest.approx(0.60 - 0.05)
-    assert rows[("badnets", "anomaly_threshold=3, clean_fraction=0.1")]["asr_spread_mean"] == ""
+    assert rows[("badnets", "anomaly_threshold=3")]["asr_spread_mean"] == ""
     assert float(default["cost_s_mean"]) == 12.5 and float(default["passes_per_img_mean"]) == pytest.approx(0.3)
     # the benign FP of a row comes from the same defense settings on attack=none
     assert float(default["benign_fp_mean"]) == 1.0 and float(rows[("none", "")]["benign_fp_mean"]) == 1.0
-    assert rows[("badnets", "anomaly_threshold=2, clean_fraction=0.05")]["benign_fp_mean"] == ""
+    assert rows[("badnets", "clean_fraction=0.05")]["benign_fp_mean"] == ""
     # of the sweep's rows, all with one seed, the canonical one is at the default threshold, not the newest
     (canonical,) = [r for r in rows.values() if r["attack"] == "badnets" and r["canonical"] == "true"]
-    assert canonical["setting"].startswith("anomaly_threshold=2,")
+    assert canonical["setting"] == ""
     page = (tmp_path / "leaderboard" / "leaderboard.md").read_text()
     assert "| cost s | passes/img | benign FP % | ASR spread |" in page
 
@@ -311,7 +311,7 @@ def test_the_reactivation_overview_averages_the_seeds_and_prefers_the_setting_ru
     # the victim's reference most runs share: the three seeds' (1.0 each: no ±)
     assert "| no defense (victim) | 100.0 -> 80.0 ± 10.0 (n=3) |" in overview, overview
     # the per-attack table still lists both settings
-    assert text.count("| neural_cleanse | anomaly_threshold=") == 2, text
+    assert "| neural_cleanse | anomaly_threshold=3 | 1 |" in text and "| neural_cleanse | – | 3 |" in text, text
 
 
 def test_a_one_seed_sweep_takes_its_default_from_the_seed_0_run_of_a_3_seed_row_made_with_its_kernels(tmp_path):
@@ -356,10 +356,11 @@ def test_the_command_marks_a_pairing_the_threat_model_excludes_n_a_in_the_reacti
     path = runs / "mnist5k" / "wanet_all2one" / "w.json"
     data = json.loads(path.read_text())
     data["defense"].update(applicable=False, not_applicable="ABL reads the poisoned training set")
+    data["report"].update(applicable=False, not_applicable="ABL reads the poisoned training set")  # as the run writes it
     data["metrics"]["defended"] = data["metrics"]["der"] = None
     path.write_text(json.dumps(data))
     save_defense_run(runs, "n", attack="wanet", cfg=nc_config("wanet"), reactivation={"defended": curve})
-    # as a user runs it: the module is __main__ there, and protocol_tables must see the same classes
+    # as a user runs it: the command's module is __main__ there
     proc = subprocess.run([sys.executable, "-m", "backdoorbench.leaderboard", f"results_dir={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -386,8 +387,8 @@ def test_old_records_without_cost_read_the_defense_time_and_stay_valid(tmp_path)
 
 
 def test_clean_budget_figure_draws_ca_and_asr_after_per_defense_on_a_log_axis(tmp_path, monkeypatch):
-    from backdoorbench import figures
-    from backdoorbench.figures import Run
+    from backdoorbench.report import fig_sweeps as figures
+    from backdoorbench.report.plot import Run
 
     kept = []
     save = figures.save_figure
@@ -440,9 +441,26 @@ def test_every_sweep_preset_varies_the_declared_keys_around_the_default(compose_
             values = params[f"defense.{key}"]
             default = defense_defaults(defense)[key]
             assert (str(default).replace(" ", "") in values) if isinstance(values, str) else default in values
+    presets = sorted(p.name[len("sensitivity_"):-len(".yaml")] for p in folder.iterdir()
+                     if p.name.startswith("sensitivity_"))
+    assert presets == sorted(SENSITIVITY), "a sensitivity_<defense>.yaml for each defense that declares `sensitivity`"
     params = sweep("clean_budget")
-    assert params["defense"] == list(CLEAN_BUDGET_DEFENSES)
+    assert params["defense"] == list(CLEAN_BUDGET_DEFENSES), \
+        "clean_budget.yaml's defenses: each defense class that declares needs_clean_data, in name order"
     assert all("clean_fraction" in defense_defaults(d) for d in CLEAN_BUDGET_DEFENSES)
+
+
+def test_the_sweeps_lists_are_the_defense_classes_declarations():
+    """SENSITIVITY and CLEAN_BUDGET_DEFENSES are read from the classes, not typed: a new defense joins
+    them by its `sensitivity` and `needs_clean_data` alone."""
+    from backdoorbench import protocols, registry
+
+    classes = registry.classes("defense", builtin_only=True)
+    assert protocols.SENSITIVITY == {name: cls.sensitivity for name, cls in classes.items() if cls.sensitivity}
+    assert set(protocols.SENSITIVITY) == set(classes)  # today every built-in declares its swept keys
+    assert protocols.CLEAN_BUDGET_DEFENSES == tuple(name for name, cls in classes.items() if cls.needs_clean_data)
+    assert "strip" in protocols.CLEAN_BUDGET_DEFENSES and "clp" not in protocols.CLEAN_BUDGET_DEFENSES  # data-free
+    assert protocols.SENSITIVITY["nad"] == ("betas",)
 
 
 @pytest.mark.slow
@@ -535,7 +553,7 @@ def test_a_sensitivity_multirun_gives_the_default_row_its_spread(tmp_path):
 
 
 def test_the_sensitivity_table_orders_list_values_by_number():
-    from backdoorbench.protocol_tables import _sort_key
+    from backdoorbench.report.protocol_tables import _sort_key
 
     settings = [((1000.0, 2000.0),), ((125.0, 250.0),), ((500.0, 1000.0),)]  # as text, "1000" sorts first
     assert sorted(settings, key=_sort_key) == [((125.0, 250.0),), ((500.0, 1000.0),), ((1000.0, 2000.0),)]

@@ -141,12 +141,12 @@ def test_the_probe_reactivates_a_hidden_backdoor_but_not_a_model_that_never_had_
      "training samples, fewer than the 5 it needs (poison_count=5); use eval.reactivation.clean_fraction >= 0.0013"),
 ])
 def test_bad_settings_are_one_line_before_any_data(compose_cfg, override, message, monkeypatch):
-    from backdoorbench import pipeline
+    from backdoorbench import validation
 
     cfg = compose_cfg(override)
-    monkeypatch.setattr(pipeline, "ensure_writable_dir", lambda *a, **k: None)
+    monkeypatch.setattr(validation, "ensure_writable_dir", lambda *a, **k: None)
     with pytest.raises(ConfigError) as caught:
-        pipeline.validate_config(cfg)
+        validation.validate_config(cfg)
     assert str(caught.value) == message
 
 
@@ -154,7 +154,7 @@ def test_a_run_without_the_stage_keeps_its_run_id(compose_cfg):
     from omegaconf import OmegaConf
 
     from backdoorbench.config import NON_RESULT_KEYS, inert_trainer_keys
-    from backdoorbench.pipeline import config_hash, run_config_hash
+    from backdoorbench.config import config_hash, run_config_hash
 
     config = OmegaConf.to_container(compose_cfg(), resolve=True)
     before = {k: v for k, v in config.items()}
@@ -226,7 +226,7 @@ def test_the_figure_draws_a_curve_per_defense_and_is_skipped_with_its_command(tm
                     folder / f"n{seed}.json")
     written = write_figures(tmp_path, report=lambda line: None)[10]
     assert sorted(p.name for p in written) == ["mnist5k_10_reactivation.pdf", "mnist5k_10_reactivation.png"]
-    from backdoorbench.figures import Run, _reactivation_curves
+    from backdoorbench.report.fig_defenses import Run, _reactivation_curves
     from backdoorbench.leaderboard import load_records_with_paths
 
     curves = _reactivation_curves([Run(r, p) for r, p in load_records_with_paths(tmp_path)])
@@ -235,7 +235,7 @@ def test_the_figure_draws_a_curve_per_defense_and_is_skipped_with_its_command(tm
 
 
 def test_the_figure_title_says_seed_0_when_only_seed_0_ran(tmp_path, monkeypatch):
-    from backdoorbench import figures
+    from backdoorbench.report import fig_defenses as figures
     from backdoorbench.leaderboard import load_records_with_paths
     from backdoorbench.records import save_record
 

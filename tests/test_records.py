@@ -5,10 +5,22 @@ import json
 
 import pytest
 
-from backdoorbench.records import SCHEMA_VERSION, RecordError, RunRecord, load_record, save_record, validate_record
+from backdoorbench.records import (
+    SCHEMA_VERSION,
+    RecordError,
+    RunRecord,
+    frozen_facts,
+    frozen_report,
+    load_record,
+    save_record,
+    validate_record,
+)
 
 
 def make_record(**changes) -> RunRecord:
+    """A valid record of the current schema; `changes` replace its fields. Its `report`, unless given,
+    is the upgrade's for them (what a run of today's methods writes: tests/test_record_upgrade.py),
+    which reads no class: many tests make many records."""
     data = dict(
         run_id="abc123",
         group_id="g1",
@@ -27,7 +39,10 @@ def make_record(**changes) -> RunRecord:
         config={"seed": 0},
     )
     data.update(changes)
-    return RunRecord(**data)
+    record = RunRecord(**data)
+    if record.report is None:
+        record.report = frozen_report(record.to_dict(), frozen_facts())
+    return record
 
 
 def test_round_trip(tmp_path):
@@ -58,6 +73,15 @@ def _broken(mutate):
         (lambda d: d["metrics"].update(der=None), "both be present or both null"),
         (lambda d: d["attack"].pop("poison_rate"), "attack.poison_rate"),
         (lambda d: d["timings_s"].update(train=-1), "timings_s.train"),
+        (lambda d: d["dataset"].pop("name"), "dataset.name must be a string"),
+        (lambda d: d.update(report=None), "report must be an object with protocol, applicable"),
+        (lambda d: d["report"].pop("canonical_key"), "report lacks canonical_key"),
+        (lambda d: d["report"].update(applicable="yes"), "report.applicable must be bool, got 'yes'"),
+        (lambda d: d["report"].update(defense_at_defaults=1), "report.defense_at_defaults must be bool or null"),
+        (lambda d: d["report"].update(applicable=False), "report.not_applicable must be the reason"),
+        (lambda d: d["report"].update(sensitivity_keys=[1]), "report.sensitivity_keys must be a list of strings"),
+        (lambda d: d["report"].update(canonical_key="defenses|mnist5k"), r"report.canonical_key must be <table>\|"),
+        (lambda d: d["report"].update(setting={"attack": {}}), "report.setting must be an object with the objects"),
     ],
 )
 def test_validation_names_the_broken_field(mutate, message):
@@ -65,22 +89,24 @@ def test_validation_names_the_broken_field(mutate, message):
         validate_record(_broken(mutate))
 
 
-def test_version_2_records_must_carry_the_protocol_fields_and_version_1_records_stay_readable(tmp_path):
-    assert SCHEMA_VERSION == 2
+def test_current_records_carry_the_protocol_fields_and_the_report_and_version_1_records_stay_readable(tmp_path):
+    assert SCHEMA_VERSION == 3
     data = make_record().to_dict()
-    for key in ("reactivation", "defense_cost", "benign", "victim"):
-        assert key in data and data[key] is None  # written, null when the run had none
+    for key in ("reactivation", "defense_cost", "benign", "victim", "report"):
+        assert key in data and (data[key] is None) == (key != "report")  # written, null when the run had none
         with pytest.raises(RecordError, match=f"missing fields: {key}"):
             validate_record({k: v for k, v in data.items() if k != key})
     # a record written before version 2: schema 1, without the fields added within it
-    old = {k: v for k, v in data.items() if k not in ("victim", "artifacts", "repeat", "reactivation", "defense_cost", "benign")}
+    old = {k: v for k, v in data.items()
+           if k not in ("victim", "artifacts", "repeat", "reactivation", "defense_cost", "benign", "report")}
     old["schema_version"] = 1
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
-    loaded = load_record(path)
-    assert loaded.schema_version == 1 and loaded.reactivation is None and loaded.benign is None and loaded.repeat == 1
-    for version in (0, 3, True, "2"):
-        with pytest.raises(RecordError, match=r"reads versions 1, 2"):
+    loaded = load_record(path)  # upgraded on load
+    assert loaded.schema_version == SCHEMA_VERSION and loaded.reactivation is None and loaded.benign is None
+    assert loaded.repeat == 1 and loaded.report == data["report"]
+    for version in (0, 4, True, "2"):
+        with pytest.raises(RecordError, match=r"^schema_version is .*; this backdoorbench reads versions 1, 2, 3$"):
             validate_record({**data, "schema_version": version})
 
 

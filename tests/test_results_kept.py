@@ -88,7 +88,7 @@ def test_a_record_says_which_cpu_kernels_computed_it():
     import os
     import sys
 
-    code = ("import torch; from backdoorbench.pipeline import environment; "
+    code = ("import torch; from backdoorbench.provenance import environment; "
             "e = environment(torch.device('cpu')); print(e['cpu_capability'], bool(e['cpu']))")
     here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert here.stdout.split() == [torch.backends.cpu.get_cpu_capability(), "True"]

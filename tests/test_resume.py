@@ -171,7 +171,7 @@ def test_an_unexpected_crash_after_training_leaves_no_record(tmp_path, compose_c
 def test_a_broken_or_foreign_prepare_checkpoint_is_one_line(tmp_path):
     from backdoorbench.attacks.input_aware import InputAware
     from backdoorbench.errors import DataError
-    from backdoorbench.pipeline import prepare_attack
+    from backdoorbench.victim import prepare_attack
 
     attack = InputAware(num_classes=10, image_shape=(1, 28, 28), channels=4, depth=1)
     path = tmp_path / "prepare.pt"

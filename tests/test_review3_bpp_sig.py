@@ -1,4 +1,4 @@
-"""Review 3 (issue 29) of BPP, SIG and the 8-bit rounding: BPP's test-time trigger is the official
+"""BPP, SIG and the 8-bit rounding against the official code (e1e0375): BPP's test-time trigger is the official
 8-bit dithered image and its victim trains with the official crop and rotation; dirty-label SIG
 draws from every class as BackdoorBench; stored pixels round where BackdoorBench truncates (a
 recorded departure, docs/fidelity.md#sig), by at most one level."""
@@ -120,14 +120,14 @@ def test_bpp_bad_augmentation_is_one_config_error(augment, message):
 
 
 def test_bpp_bad_augmentation_is_refused_before_data_loads(compose_cfg, monkeypatch):
-    from backdoorbench import pipeline
+    from backdoorbench import validation
 
     def no_data(*args, **kwargs):
         raise AssertionError("the data was loaded")
 
     monkeypatch.setattr("backdoorbench.datasets.mnist5k.load_mnist5k", no_data)
     with pytest.raises(ConfigError, match=r"attack.augment.rotation=-1"):
-        pipeline.validate_config(compose_cfg("attack=bpp", "attack.augment.rotation=-1"))
+        validation.validate_config(compose_cfg("attack=bpp", "attack.augment.rotation=-1"))
 
 
 # --- SIG: dirty-label draws from every class -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Issue 29, third review, LIRA and WB: stage II's classifier starts from scratch (the authors' latest
+"""LIRA and WB (since e1e0375): stage II's classifier starts from scratch (the authors' latest
 command) or from stage I's (`stage2_init`), also across a resume; docs/fidelity.md#lira."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Issue 29, third review: Refool's fixed test-time draw and BackdoorBench's blend scale, and
-Adaptive-Blend's per-protocol rates (docs/fidelity.md#refool, #adaptive-blend)."""
+"""Refool's fixed test-time draw and BackdoorBench's blend scale, and
+Adaptive-Blend's per-protocol rates (docs/fidelity.md#refool, #adaptive-blend; since e1e0375)."""
 
 from __future__ import annotations
 

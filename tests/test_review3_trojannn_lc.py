@@ -1,4 +1,4 @@
-"""Issue 29, third review: TrojanNN puts BackdoorBench's trigger on the images (the official square
+"""Since e1e0375, TrojanNN puts BackdoorBench's trigger on the images (the official square
 mask, the optimized mask image added in 8 bits) and the surrogates of TrojanNN and Label-consistent
 train as the trainer trains a victim (`surrogate_epochs: null`) under the backdoorbench protocol;
 the quick protocol keeps its CPU recipe on mnist5k (docs/fidelity.md#trojannn, #label-consistent)."""

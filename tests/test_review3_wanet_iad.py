@@ -1,4 +1,4 @@
-"""Third review (issue 29) of WaNet and Input-aware against their official code: the generator's
+"""WaNet and Input-aware (since e1e0375) against their official code: the generator's
 summed gradient, the epoch count that includes the mask pre-training, floored per-batch counts,
 and one precision for the trigger in training and at test. Tiny images and nets, CPU."""
 

@@ -182,7 +182,7 @@ def resumes(attack: str) -> bool:
     # training-controlled: the trigger's state and random streams must be checkpointed as well
     pytest.param("wanet", marks=pytest.mark.skipif(
         not resumes("wanet"), reason="WaNet does not resume from a checkpoint on this branch; its resume is "
-                                     "issue 16's other part (branch i16a), and this test checks it once merged")),
+                                     "on branch i16a, and this test checks it once merged")),
 ])
 def test_a_job_over_its_time_limit_is_requeued_and_resumes_to_the_metrics_of_an_uninterrupted_run(
         slurm_cluster, tmp_path, attack):

@@ -111,7 +111,7 @@ def test_norms_and_summary_by_hand() -> None:
     assert l2_distance(clean, poisoned).tolist() == pytest.approx([2.0, math.sqrt(16 * 0.25)])
     assert psnr(clean, poisoned).tolist() == pytest.approx([10 * math.log10(256 / 4), 10 * math.log10(256 / 4)])
     with pytest.warns(LpipsUnavailableWarning):
-        result = stealth_metrics(clean, poisoned, lpips_weights=None)
+        result = stealth_metrics(clean, poisoned)
     assert result["n"] == 2 and result["n_psnr_capped"] == 0
     assert result["linf"] == pytest.approx({"mean": 0.75, "std": 0.25})  # population std
     assert result["l2"] == pytest.approx({"mean": 2.0, "std": 0.0})
@@ -173,10 +173,15 @@ def no_lpips_weights_on_machine(monkeypatch: pytest.MonkeyPatch, tmp_path_factor
 def standin_alexnet(tmp_path_factory):
     """A seeded, untrained torchvision AlexNet standing in for the ImageNet weights (features only,
     with torchvision's key names, to keep the file small)."""
+    with torch.device("meta"):  # the classifier's 58M parameters would take seconds to initialise
+        features = torchvision.models.alexnet(weights=None).features
+    features = features.to_empty(device="cpu")
     torch.manual_seed(0)
-    net = torchvision.models.alexnet(weights=None)
+    for layer in features:
+        if hasattr(layer, "reset_parameters"):
+            layer.reset_parameters()  # torchvision's AlexNet keeps PyTorch's default conv init
     path = tmp_path_factory.mktemp("weights") / stealth.ALEXNET_FILE
-    torch.save({f"features.{k}": v for k, v in net.features.state_dict().items()}, path)
+    torch.save({f"features.{k}": v for k, v in features.state_dict().items()}, path)
     return path
 
 
@@ -196,8 +201,8 @@ def test_lpips_absent_is_none_with_reason_and_one_warning(no_lpips_weights_on_ma
 
 def test_lpips_configured_path_missing_is_data_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     images = torch.rand(1, 3, 32, 32)
-    with pytest.raises(DataError, match="lpips_weights=.*nope.pth.* is not a file"):
-        stealth_metrics(images, images, lpips_weights=tmp_path / "nope.pth")
+    with pytest.raises(DataError, match="eval.lpips=.*nope.pth.* is not a file"):
+        stealth_metrics(images, images, lpips=tmp_path / "nope.pth")
     monkeypatch.setenv(stealth.LPIPS_WEIGHTS_ENV, str(tmp_path / "gone.pth"))
     with pytest.raises(DataError, match=f"{stealth.LPIPS_WEIGHTS_ENV}=.*gone.pth"):
         stealth_metrics(images, images)
@@ -210,9 +215,9 @@ def test_lpips_with_weights_file(standin_alexnet) -> None:
     far = (clean + 0.3 * torch.randn(clean.shape, generator=g)).clamp(0, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning at all when the weights are there
-        same = stealth_metrics(clean, clean.clone(), lpips_weights=standin_alexnet)
-        small = stealth_metrics(clean, near, lpips_weights=standin_alexnet)
-        large = stealth_metrics(clean, far, lpips_weights=standin_alexnet)
+        same = stealth_metrics(clean, clean.clone(), lpips=standin_alexnet)
+        small = stealth_metrics(clean, near, lpips=standin_alexnet)
+        large = stealth_metrics(clean, far, lpips=standin_alexnet)
     assert same["lpips"] == {"mean": 0.0, "std": 0.0} and same["lpips_reason"] is None
     assert 0 < small["lpips"]["mean"] < large["lpips"]["mean"]
     assert all(math.isfinite(v) for v in (*small["lpips"].values(), *large["lpips"].values()))
@@ -254,7 +259,7 @@ def test_lpips_found_through_env_var_and_hub_cache(standin_alexnet, monkeypatch,
     g = torch.Generator().manual_seed(4)
     clean = torch.rand(3, 1, 28, 28, generator=g)  # gray MNIST-sized: repeated to RGB, upsampled to 32
     poisoned = (clean + 0.1 * torch.randn(clean.shape, generator=g)).clamp(0, 1)
-    direct = stealth_metrics(clean, poisoned, lpips_weights=standin_alexnet)
+    direct = stealth_metrics(clean, poisoned, lpips=standin_alexnet)
     assert direct["settings"]["lpips_input_size"] == [32, 32]
     monkeypatch.setenv(stealth.LPIPS_WEIGHTS_ENV, str(standin_alexnet))
     assert stealth_metrics(clean, poisoned)["lpips"] == direct["lpips"]
@@ -276,5 +281,5 @@ def test_lpips_bad_weights_file_is_one_line_data_error(tmp_path) -> None:
     for path, message in ((corrupt, "cannot be read"), (wrong, r"features.0.weight should have shape \(64, 3, 11, 11\)"),
                           (pickled, "cannot be read")):
         with pytest.raises(DataError, match=message) as info:
-            stealth_metrics(images, images, lpips_weights=path)
+            stealth_metrics(images, images, lpips=path)
         assert "\n" not in str(info.value) and str(path) in str(info.value)

@@ -3,19 +3,28 @@ and exit 2 each, are in the hostile-input catalogue (tests/test_hostile.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from omegaconf import OmegaConf
 
-import backdoorbench
+from backdoorbench import registry
 from backdoorbench.suggest import ALIASES, bare_word_hint, closest, is_timm_model, key_hint, option_hint
-
-CONF = Path(backdoorbench.__file__).parent / "conf"
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("_"))
+    return registry.names(group)
+
+
+def test_aliases_are_the_classes_declarations() -> None:
+    """Each group's table is its options' `aliases` (plus no/null for `none`), typed nowhere else."""
+    assert sorted(ALIASES) == sorted(registry.GROUPS)
+    for group in registry.GROUPS:
+        declared = {alias: name for name in options(group)
+                    for alias in getattr(registry.method_class(group, name), "aliases", ())}
+        assert ALIASES[group] == {**declared, **({"no": "none", "null": "none"} if "none" in options(group) else {})}
+    # the short names of papers and other toolkits, as a user types them
+    for group, alias, option in [("defense", "nc", "neural_cleanse"), ("attack", "iad", "input_aware"),
+                                 ("dataset", "cifar", "cifar10"), ("model", "cnn", "mnist_cnn"), ("defense", "no", "none")]:
+        assert option_hint(group, alias, options(group)) == f"did you mean {group}={option}?"
 
 
 @pytest.mark.parametrize("group", sorted(ALIASES))

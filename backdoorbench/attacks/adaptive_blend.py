@@ -76,6 +76,8 @@ class AdaptiveBlend(Attack):
     """
 
     name = "adaptive_blend"
+    family = "blend"
+    aliases = ("adap_blend", "adaptive")
 
     def __init__(
         self,

@@ -32,6 +32,8 @@ class BadNets(Attack):
     """
 
     name = "badnets"
+    family = "patch"
+    aliases = ("badnet",)
 
     def __init__(
         self,

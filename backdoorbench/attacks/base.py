@@ -15,6 +15,7 @@ from backdoorbench import checks
 from backdoorbench.attacks.targets import make_target_rule
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
+from backdoorbench.train import cross_entropy_step
 
 
 @dataclass
@@ -65,6 +66,11 @@ class Attack:
 
     name: ClassVar[str] = "attack"
     clean_label: ClassVar[bool] = False  # clean-label attacks poison target-class samples, labels kept
+    # The declaration the registry lists (backdoorbench/registry.py): how the attack poisons, the kind
+    # of trigger (patch, blend, warping, ...), and the short names people use for it (`attack=iad`).
+    kind: ClassVar[str] = "data_poisoning"
+    family: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
     # The lowest precision whose rounding leaves the trigger's effect intact: trainer.precision=auto
     # runs the whole run in it on CUDA (backdoorbench/precision.py). bf16 keeps 8 significant bits.
     min_precision: ClassVar[str] = "bf16"
@@ -166,8 +172,6 @@ class Attack:
         """Train the victim on the (already poisoned) split. `wrap_step` lets an in-training
         defense add to the loss of every step the attack takes (e.g. a weight penalty);
         `checkpoint` is the trainer's per-epoch file to resume from after a crash."""
-        from backdoorbench.train import cross_entropy_step
-
         step = wrap_step(cross_entropy_step) if wrap_step is not None else cross_entropy_step
         trainer.fit(model, train, generator=generator, step=step, desc="victim", checkpoint=checkpoint)
 
@@ -209,6 +213,8 @@ class TrainingAttack(Attack):
     `prepare_state`), `train_victim` (e.g. LIRA's two stages; it is called again when a defense
     retrains a model the attacker's way) and `state_dict`/`load_state_dict` (saved with the victim).
     """
+
+    kind = "training_controlled"
 
     def poison_indices(self, y: Tensor, generator: torch.Generator) -> Tensor:
         return torch.empty(0, dtype=torch.int64)

@@ -25,6 +25,8 @@ class Blended(Attack):
     """
 
     name = "blended"
+    family = "blend"
+    aliases = ("blend",)
 
     def __init__(self, *, alpha: float = 0.2, pattern: str = "chelsea", seed: int = 0, **common) -> None:
         super().__init__(**common)

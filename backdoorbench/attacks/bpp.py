@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -12,8 +11,8 @@ from torch import Tensor
 
 from backdoorbench import checks
 from backdoorbench.attacks.base import Attack, PoisonedData, StepWrapper, choose_unpoisoned
+from backdoorbench.attacks.victim_augment import check_augment, victim_trainer
 from backdoorbench.datasets.base import Split, to_float, to_uint8
-from backdoorbench.errors import ConfigError
 
 # BppAttack's training augmentation, its PostTensorTransform (docs/fidelity.md#bpp): crop after 5 px
 # of padding, rotation within +-10 degrees on a quarter of the images (one coin per batch at 0.5,
@@ -92,13 +91,15 @@ class Bpp(Attack):
     Official defaults (config.py): squeeze_num 8, injection 0.2, neg 0.2, dithering off; its README
     command runs squeeze_num 32. The dithering flag is argparse `type=bool`, so any value given on
     the command line, even `--dithering False`, turns it on: it can be turned on, never off once
-    passed. The paper's method dithers, and so do we by default. The quick protocol on mnist5k
+    passed. The paper's method dithers, and so do we by default; the backdoorbench protocol does
+    not, as BackdoorBench's bpp (`dithering: False`) trains. The quick protocol on mnist5k
     squeezes to 2 levels (`protocol.methods.bpp.squeeze_num`), because MNIST digits are nearly
     binary and 8 levels change few of their pixels. Every value against its source:
     docs/fidelity.md#bpp.
     """
 
     name = "bpp"
+    family = "quantization"
 
     def __init__(
         self,
@@ -117,7 +118,7 @@ class Bpp(Attack):
         self.dithering = bool(dithering)
         self.neg_ratio = float(neg_ratio)
         self.batch_size = batch_size
-        self.augment = _augmentation({} if augment is None else augment)
+        self.augment = check_augment(augment, OFFICIAL_AUGMENT)
         self.negative_indices = torch.empty(0, dtype=torch.int64)
 
     def apply_trigger(self, x: Tensor) -> Tensor:
@@ -141,13 +142,7 @@ class Bpp(Attack):
 
     def victim_trainer(self, trainer):
         """A shallow copy of `trainer` whose crop padding and rotation are `augment`'s non-null values."""
-        changed = {key: value for key, value in self.augment.items() if value is not None}
-        if not changed:
-            return trainer
-        victim = copy.copy(trainer)
-        for key, value in changed.items():
-            setattr(victim, key, value)
-        return victim
+        return victim_trainer(trainer, self.augment)
 
     def _triggered(self, x: Tensor) -> Tensor:
         return torch.cat([self.apply_trigger(x[s : s + self.batch_size]) for s in range(0, len(x), self.batch_size)]) \
@@ -190,20 +185,3 @@ class Bpp(Attack):
             "augment": dict(self.augment),
         }
 
-
-def _augmentation(augment: Mapping[str, Any]) -> dict[str, Any]:
-    """`attack.augment` checked: crop_padding (px), rotation (degrees), rotation_p; null = the trainer's."""
-    if not isinstance(augment, Mapping):
-        raise ConfigError(f"attack.augment={augment!r} is invalid; use a mapping with crop_padding, rotation and "
-                          f"rotation_p (the official {dict(OFFICIAL_AUGMENT)}), or null for the trainer's")
-    unknown = sorted(set(augment) - set(OFFICIAL_AUGMENT))
-    if unknown:
-        raise ConfigError(f"attack.augment has unknown key(s) {unknown}; use {', '.join(OFFICIAL_AUGMENT)}")
-    out = {key: augment.get(key) for key in OFFICIAL_AUGMENT}
-    out["crop_padding"] = checks.integer("attack", "augment.crop_padding", out["crop_padding"], 0, allow_none=True,
-                                         hint="px; the official 5")
-    out["rotation"] = checks.number("attack", "augment.rotation", out["rotation"], 0, 180, allow_none=True,
-                                    hint="degrees; the official 10, 0 = off")
-    out["rotation_p"] = checks.number("attack", "augment.rotation_p", out["rotation_p"], 0, 1, allow_none=True,
-                                      hint="the share of images rotated; the official 0.25")
-    return out

@@ -103,12 +103,17 @@ class LabelConsistent(Attack):
 
     Target modes: the paper is all2one only; clean-label all2all is not meaningful (poisoned images
     keep label y, so the trigger cannot teach y -> y+1) and raises a ConfigError. As for SIG,
-    `clean_label=false` gives the dirty-label variant (hardened + triggered non-target images,
-    relabelled by the target rule), which is what all2all can mean; it is no longer the paper's
-    attack, whose point is the consistent label.
+    `clean_label=false` gives the dirty-label variant: `poison_rate` (default 0.1) of the whole
+    training set, drawn from every class, the target class included (`Attack.eligible`, as
+    BackdoorBench's dirty-label draw), each PGD-hardened against its own label, triggered and
+    relabelled by the target rule (under all2one a chosen target-class image keeps its label).
+    That is what all2all can mean; it is no longer the paper's attack, whose point is the
+    consistent label.
     """
 
     name = "label_consistent"
+    family = "adversarial"
+    aliases = ("lc",)
     clean_label = True
 
     def __init__(

@@ -14,8 +14,8 @@ from backdoorbench import checks, distributed
 from backdoorbench.attacks.base import StepFn, StepWrapper, TrainingAttack
 from backdoorbench.attacks.trigger_nets import build_trigger_generator
 from backdoorbench.datasets.base import Split
-from backdoorbench.defenses.recipes import recipe
 from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.train import recipe
 
 
 def joint_forward(fn, x: Tensor, x_trig: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,6 +103,7 @@ class LIRA(TrainingAttack):
     """
 
     name = "lira"
+    family = "generative"
     min_precision = "fp32"  # a 0.0025-0.005 px trigger is below bf16's rounding (backdoorbench/precision.py)
 
     def __init__(

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from backdoorbench.attacks.base import Attack
+from backdoorbench.errors import ConfigError
 
 
 class NoAttack(Attack):
@@ -20,12 +21,12 @@ class NoAttack(Attack):
     """
 
     name = "none"
+    family = "none"
+    aliases = ("clean",)
     triggerless = True
 
     def __init__(self, *, poison_rate: float | None = None, **common) -> None:
         if poison_rate not in (None, 0, 0.0):
-            from backdoorbench.errors import ConfigError
-
             raise ConfigError(f"attack.poison_rate={poison_rate!r} is invalid for attack=none; leave it null")
         super().__init__(poison_rate=1.0, **common)
         self.poison_rate = 0.0

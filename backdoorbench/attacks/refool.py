@@ -117,6 +117,7 @@ class Refool(Attack):
     """
 
     name = "refool"
+    family = "reflection"
     clean_label = True
 
     def __init__(

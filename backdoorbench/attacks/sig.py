@@ -51,6 +51,7 @@ class SIG(Attack):
     """
 
     name = "sig"
+    family = "signal"
     clean_label = True  # the paper's setting; `clean_label=False` gives the dirty-label variant
 
     def __init__(

@@ -54,7 +54,7 @@ class TrojanNN(Attack):
     (1000 steps of 0.1 within 0.3). The result, in 8 bits, is added to the image (`stamp=add`):
     pixels outside the mask do not change. `stamp=replace` overwrites the masked pixels instead,
     as the official code paints its trigger into the mask; `mask=patch` is a `patch_size` square
-    at `location`. The quick protocol keeps on mnist5k what every protocol ran before issue 29: a
+    at `location`. The quick protocol keeps on mnist5k what every protocol ran before e1e0375: a
     5x5 corner patch, replaced, `selection=responsive`, a 3-epoch surrogate.
 
     Departures, each measured or argued in docs/fidelity.md#trojannn:
@@ -78,6 +78,8 @@ class TrojanNN(Attack):
     """
 
     name = "trojannn"
+    family = "patch"
+    aliases = ("trojan", "trojan_nn", "trojannet")
 
     def __init__(
         self,

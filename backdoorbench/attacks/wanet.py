@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -12,8 +14,15 @@ from torch import Tensor, nn
 
 from backdoorbench import checks
 from backdoorbench.attacks.base import StepWrapper, TrainingAttack
+from backdoorbench.attacks.victim_augment import check_augment, victim_trainer
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.train import cross_entropy_step
+
+# WaNet's training augmentation, its PostTensorTransform (docs/fidelity.md#wanet): crop after 5 px of
+# padding, rotation within +-10 degrees on a quarter of the images (a coin per batch at 0.5 around
+# kornia's RandomRotation, whose own coin per image is 0.5); `attack.augment` sets it for the victim.
+OFFICIAL_AUGMENT = MappingProxyType({"crop_padding": 5, "rotation": 10.0, "rotation_p": 0.25})
 
 
 def random_flow(k: int, height: int, width: int, generator: torch.Generator) -> Tensor:
@@ -65,8 +74,11 @@ class WaNet(TrainingAttack):
 
     Training follows the official order: the batch is warped first and then augmented (the
     trainer's crop and flip, and its rotation when `trainer.rotation` > 0), so the network learns
-    the warp under the same shifts as clean images; the paper presets set the official
-    augmentation (docs/fidelity.md#wanet). All-to-all uses the shared rule y -> (y + 1) mod C, as
+    the warp under the same shifts as clean images. `augment` (crop_padding, rotation,
+    rotation_p; unset or null = the trainer's) replaces the trainer's crop and rotation
+    for the victim only, as BPP's does: the backdoorbench protocol sets the official crop 5 and
+    rotation 10 (BackdoorBench's attack/wanet.py trains so), the paper presets set the trainer's
+    (docs/fidelity.md#wanet). All-to-all uses the shared rule y -> (y + 1) mod C, as
     the official code has since 2022 (before, `remainder(y, C)` left labels unchanged).
 
     Each batch of B images has int(B * poison_rate) warped rows and int(that * cross_ratio)
@@ -82,6 +94,7 @@ class WaNet(TrainingAttack):
     """
 
     name = "wanet"
+    family = "warping"
 
     def __init__(
         self,
@@ -91,6 +104,7 @@ class WaNet(TrainingAttack):
         grid_rescale: float = 1.0,
         cross_ratio: float = 2.0,
         seed: int = 0,
+        augment: Mapping[str, Any] | None = None,
         **common,
     ) -> None:
         super().__init__(**common)
@@ -108,6 +122,7 @@ class WaNet(TrainingAttack):
         self.grid_rescale = float(grid_rescale)
         self.cross_ratio = float(cross_ratio)
         self.seed = seed
+        self.augment = check_augment(augment, OFFICIAL_AUGMENT)
         self.flow = random_flow(k, height, width, torch.Generator().manual_seed(seed))
         self.grid = self._trigger_grid(self.flow)
         # Per-batch choices (rows, noise); reseeded from the training generator in train_victim.
@@ -173,11 +188,10 @@ class WaNet(TrainingAttack):
         # Each (re)training draws its batch choices from the run's training stream, so a run is
         # reproducible and a defense's retraining gets its own, equally seeded, choices.
         self.batch_generator = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
-        from backdoorbench.train import cross_entropy_step
-
         # Warp, then augment (the official order): the trainer calls poison_step on the
         # un-augmented batch, augments the result and scores it with plain cross-entropy.
         step = wrap_step(cross_entropy_step) if wrap_step is not None else cross_entropy_step
+        trainer = victim_trainer(trainer, self.augment)  # `attack.augment`'s crop and rotation, the victim's only
         trainer.fit(model, train, generator=generator, step=step, poison=self.poison_step, desc="victim",
                     checkpoint=checkpoint, companion=self)
 

@@ -88,7 +88,7 @@ class WB(LIRA):
       starts training; saved with each epoch checkpoint, so a resumed run goes on exactly). From
       the batch alone the term had no reference in about half the batches of GTSRB (class 0 is
       210 of 39,209 images: 0.7 per batch of 128) and Tiny-ImageNet (0.5%), and in the others
-      one or two latents, onto which it pulled every triggered latent (issue 13, finding 4).
+      one or two latents, onto which it pulled every triggered latent (before f1f81cb).
       The banked latents are up to ~90 batches old there (64 / 0.7); on CIFAR-10 or MNIST (10%
       per class) about 5. `reference_bank=0` restores the batch-only reference. Under torchrun
       each process banks its own share of the batches.
@@ -112,6 +112,7 @@ class WB(LIRA):
     """
 
     name = "wb"
+    family = "generative"
 
     def __init__(
         self,

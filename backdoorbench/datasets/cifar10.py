@@ -61,6 +61,9 @@ def load_cifar10(
     )
 
 
+load_cifar10.aliases = ("cifar", "cifar_10")  # dataset=cifar (backdoorbench/registry.py)
+
+
 def _decode(batches: Path, verify_md5: bool, hint: str) -> dict[str, torch.Tensor]:
     if verify_md5:
         for name, md5 in BATCHES.items():

@@ -63,3 +63,6 @@ def load_mnist5k(test_per_class: int = 100, split_seed: int = 0, crop_padding: i
         hflip=False,
         crop_padding=crop_padding,
     )
+
+
+load_mnist5k.aliases = ("mnist_5k",)  # dataset=mnist_5k (backdoorbench/registry.py)

@@ -76,6 +76,9 @@ def load_tiny_imagenet(root: str | None = None, download: bool = False, crop_pad
     )
 
 
+load_tiny_imagenet.aliases = ("tiny", "tinyimagenet")  # dataset=tiny (backdoorbench/registry.py)
+
+
 def _read_wnids(path: Path, hint: str) -> list[str]:
     """The 200 class ids, sorted."""
     try:

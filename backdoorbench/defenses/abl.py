@@ -9,8 +9,8 @@ from torch import Tensor, nn
 from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
-from backdoorbench.defenses.recipes import recipe
 from backdoorbench.errors import ConfigError
+from backdoorbench.train import recipe
 
 
 def lga_step(gamma: float):
@@ -75,6 +75,9 @@ class AntiBackdoorLearning(Defense):
     """
 
     name = "abl"
+    family = "unlearning"
+    sensitivity = ("isolation_ratio",)  # swept by conf/experiment/sensitivity_abl.yaml
+    aliases = ("anti_backdoor_learning",)
     stage = "in_train"
     needs_clean_data = False
     meets_training_controlled_attacks = False

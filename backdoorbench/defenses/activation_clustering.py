@@ -12,8 +12,8 @@ from torch import Tensor
 
 from backdoorbench import checks
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
-from backdoorbench.defenses.spectral import penultimate_features
 from backdoorbench.errors import ConfigError
+from backdoorbench.models.taps import penultimate_features
 
 REDUCTIONS = ("ica", "pca")
 # Which cluster of a class is poisoned (IBM ART's ClusteringAnalyzer, the authors' code):
@@ -117,6 +117,9 @@ class ActivationClustering(Defense):
     """
 
     name = "activation_clustering"
+    family = "latent_separation"
+    sensitivity = ("analysis",)  # swept by conf/experiment/sensitivity_activation_clustering.yaml
+    aliases = ("ac",)
     stage = "pre_train"
     needs_clean_data = False
     meets_training_controlled_attacks = False

@@ -94,6 +94,9 @@ class AngularMargin(Defense):
     """
 
     name = "angular_margin"
+    family = "training_objective"
+    sensitivity = ("penalty_weight",)  # swept by conf/experiment/sensitivity_angular_margin.yaml
+    aliases = ("am",)
     stage = "in_train"
     needs_clean_data = False
 

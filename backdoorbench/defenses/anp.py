@@ -80,6 +80,8 @@ class AdversarialNeuronPruning(Defense):
     """
 
     name = "anp"
+    family = "pruning"
+    sensitivity = ("threshold",)  # swept by conf/experiment/sensitivity_anp.yaml
     stage = "post_train"
 
     def __init__(

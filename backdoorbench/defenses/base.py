@@ -60,6 +60,12 @@ class Defense:
     # Input-aware, LIRA, WB) stores no poison there and poisons inside its own training step, so
     # such a defense never meets it. Its threat model excludes the attack: see `not_applicable`.
     meets_training_controlled_attacks: ClassVar[bool] = True
+    # The declaration the registry lists (backdoorbench/registry.py): the kind of repair or detection,
+    # the keys (under `defense.`) its sensitivity sweep varies (conf/experiment/sensitivity_<name>.yaml),
+    # and the short names people use for it (`defense=nc`).
+    family: ClassVar[str] = ""
+    sensitivity: ClassVar[tuple[str, ...]] = ()
+    aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, clean_fraction: float = 0.05) -> None:
         self.clean_fraction = checks.number("defense", "clean_fraction", clean_fraction, 0, 1, high_open=True,

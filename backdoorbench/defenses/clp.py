@@ -110,6 +110,8 @@ class ChannelLipschitzPruning(Defense):
     """
 
     name = "clp"
+    family = "pruning"
+    sensitivity = ("u",)  # swept by conf/experiment/sensitivity_clp.yaml
     stage = "post_train"
     needs_clean_data = False
 

@@ -13,6 +13,7 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
+from backdoorbench.models.taps import conv_stage_outputs
 from backdoorbench.progress import track
 
 CURVE_POINTS = 11  # test-set pruning curve for the figure: 0%, 10%, ... of max_prune_ratio (and the chosen k)
@@ -24,62 +25,6 @@ def require_clean_subset(ctx: DefenseContext, defense: str) -> None:
         raise ConfigError(
             f"defense {defense} needs clean data but the clean subset is empty; set defense.clean_fraction > 0"
         )
-
-
-def conv_stage_outputs(model: nn.Module, probe: Tensor) -> list[tuple[str, nn.Module]]:
-    """(name, module) whose outputs are the feature maps of the conv stages of `model`'s `features`.
-
-    A stage starts at each direct child of `features` that holds an nn.Conv2d; its feature map is
-    the output of the stage's last child that still yields a spatial map (4-D, H*W > 1), i.e. after
-    its norm, activation and pooling. Stages are ordered as the forward pass runs them (one probe
-    forward of `probe`, [0, 1] images). For mnist_cnn these are the two max-pools (32 and 64
-    channels); for a ResNet the stem and each residual stage. Fine-Pruning and NAD both use this.
-    """
-    net = getattr(model, "net", model)
-    features = getattr(net, "features", None)
-    children = list(features.named_children()) if isinstance(features, nn.Module) else []
-    while len(children) == 1 and any(isinstance(m, nn.Conv2d) for m in children[0][1].modules()):
-        prefix, only = children[0]
-        children = [(f"{prefix}.{name}", child) for name, child in only.named_children()]
-    fired: list[tuple[str, nn.Module, torch.Size | None]] = []
-    seen: set[int] = set()
-
-    def record(name: str):
-        def hook(module: nn.Module, inputs, output) -> None:
-            if id(module) not in seen:
-                seen.add(id(module))
-                fired.append((name, module, output.shape if isinstance(output, Tensor) else None))
-        return hook
-
-    handles = [child.register_forward_hook(record(name)) for name, child in children]
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(probe)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
-
-    stages: list[tuple[str, nn.Module]] = []
-    current: tuple[str, nn.Module] | None = None
-    in_stage = False
-    for name, module, shape in fired:
-        if any(isinstance(m, nn.Conv2d) for m in module.modules()):
-            if current is not None:
-                stages.append(current)
-            current, in_stage = None, True
-        if in_stage and shape is not None and len(shape) == 4 and shape[2] * shape[3] > 1:
-            current = (f"features.{name}", module)
-    if current is not None:
-        stages.append(current)
-    if not stages:
-        raise ConfigError(
-            f"model {getattr(model, 'name', type(model).__name__)!r} has no nn.Conv2d stage in its `features`; "
-            "this defense needs a convolutional network"
-        )
-    return stages
 
 
 def _mask_channels(module: nn.Module, inputs, output: Tensor) -> Tensor:
@@ -166,6 +111,9 @@ class FinePruning(Defense):
     """
 
     name = "fine_pruning"
+    family = "pruning"
+    sensitivity = ("max_acc_drop",)  # swept by conf/experiment/sensitivity_fine_pruning.yaml
+    aliases = ("fp", "prune", "pruning")
     stage = "post_train"
     BUDGETS = {"official": {"epochs": 100}, "cpu": {"epochs": 10}}
 

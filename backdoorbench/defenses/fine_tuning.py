@@ -21,6 +21,9 @@ class FineTuning(Defense):
     """
 
     name = "fine_tuning"
+    family = "fine_tuning"
+    sensitivity = ("lr",)  # swept by conf/experiment/sensitivity_fine_tuning.yaml
+    aliases = ("ft", "finetune", "finetuning")
     stage = "post_train"
     BUDGETS = {"official": {"epochs": 100}, "cpu": {"epochs": 10}}
 

@@ -78,6 +78,9 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
     """
 
     name = "i_bau"
+    family = "unlearning"
+    sensitivity = ("rounds",)  # swept by conf/experiment/sensitivity_i_bau.yaml
+    aliases = ("ibau",)
     stage = "post_train"
 
     def __init__(

@@ -13,9 +13,10 @@ from torch import Tensor, nn
 from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
-from backdoorbench.defenses.fine_pruning import conv_stage_outputs, require_clean_subset
-from backdoorbench.defenses.recipes import recipe
+from backdoorbench.defenses.fine_pruning import require_clean_subset
 from backdoorbench.errors import ConfigError
+from backdoorbench.models.taps import conv_stage_outputs
+from backdoorbench.train import recipe
 
 
 def attention_map(feature_map: Tensor, p: float) -> Tensor:
@@ -72,6 +73,8 @@ class NeuralAttentionDistillation(Defense):
     """
 
     name = "nad"
+    family = "distillation"
+    sensitivity = ("betas",)  # swept by conf/experiment/sensitivity_nad.yaml
     stage = "post_train"
 
     def __init__(

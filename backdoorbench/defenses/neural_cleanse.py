@@ -82,6 +82,9 @@ class NeuralCleanse(Defense):
     """
 
     name = "neural_cleanse"
+    family = "trigger_inversion"
+    sensitivity = ("anomaly_threshold",)  # swept by conf/experiment/sensitivity_neural_cleanse.yaml
+    aliases = ("nc",)
     stage = "post_train"
     BUDGETS = {"official": {"epochs": 1000, "unlearn_epochs": 1}, "cpu": {"epochs": 50, "unlearn_epochs": 10}}
 

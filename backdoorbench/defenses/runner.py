@@ -139,7 +139,7 @@ def _score_input_defense(
 
 
 def benign_false_positives(defense: Defense, outcome: DefenseOutcome, n_train: int) -> dict[str, Any] | None:
-    """What a detector flags when there is nothing to find (issue 18, protocol 3): run on a clean
+    """What a detector flags when there is nothing to find: run on a clean
     victim (attack=none), every flag is a false positive. `false_positive` in [0, 1] is
     - pre-training detectors (Spectral, AC): the share of the clean training set removed;
     - input detectors (STRIP): the share of clean test inputs rejected at the calibrated threshold;

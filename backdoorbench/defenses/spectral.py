@@ -6,23 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from backdoorbench import checks
-from backdoorbench.datasets.base import Split, to_float
+from backdoorbench.datasets.base import Split
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
-
-
-@torch.no_grad()
-def penultimate_features(model: nn.Module, images: Tensor, device: torch.device, batch_size: int = 1024) -> Tensor:
-    """`model.features` of uint8 images (N, C, H, W) in eval mode, as float32 (N, d) on the CPU."""
-    if not callable(getattr(model, "features", None)):
-        raise ConfigError(f"this defense reads penultimate features, but {type(model).__name__} has no .features(x)")
-    model = model.to(device).eval()
-    out = [model.features(to_float(images[s : s + batch_size].to(device))).float().flatten(1).cpu()
-           for s in range(0, len(images), batch_size)]
-    return torch.cat(out)
+from backdoorbench.models.taps import penultimate_features
 
 
 def spectral_scores(features: Tensor) -> Tensor:
@@ -80,7 +70,7 @@ class SpectralSignatures(Defense):
     Limit (of the method, measured in tests): when the poison is close to half of its class the
     two halves sit almost symmetrically about the class mean along the top direction, so the
     squared projection barely ranks the poison above the clean half.
-    Cost on a clean set (issue 18, benign false positives): the rule removes a fixed number from
+    Cost on a clean set (the benign false-positive protocol): the rule removes a fixed number from
     every class whether or not it holds poison, so on mnist5k at the default bound (0.1: 750 per
     class, capped at half a class of ~500) a clean training set loses half of every class. That is
     the paper's rule with an honest bound, not a bug; a defender who expects less poison sets
@@ -92,6 +82,9 @@ class SpectralSignatures(Defense):
     """
 
     name = "spectral"
+    family = "latent_separation"
+    sensitivity = ("expected_poison_rate",)  # swept by conf/experiment/sensitivity_spectral.yaml
+    aliases = ("ss", "spectral_signatures", "spectral_signature")
     stage = "pre_train"
     needs_clean_data = False
     meets_training_controlled_attacks = False

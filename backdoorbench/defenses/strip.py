@@ -61,6 +61,8 @@ class Strip(InputDefense):
     """
 
     name = "strip"
+    family = "input_perturbation"
+    sensitivity = ("frr",)  # swept by conf/experiment/sensitivity_strip.yaml
     needs_clean_data = True
 
     def __init__(self, *, num_superimpose: int = 100, frr: float = 0.01, batch_size: int = 16, clean_fraction: float = 0.05) -> None:

@@ -1,4 +1,4 @@
-"""CA, ASR, RA and DER, defined once for every attack and defense (see DESIGN.md)."""
+"""CA, ASR, RA and DER, defined once for every attack and defense (see docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A defense's compute in units that compare across machines: images passed forward and backward
-through the model, and FLOPs (issue 18, protocol 2).
+through the model, and FLOPs.
 
 Every pass of a classifier, whole (`model(x)`) or features only (`model.features(x)`, as Spectral
 Signatures and Activation Clustering take them), runs its `features` module, so that module is

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backdoorbench.models.taps import conv_stage_outputs
+
 
 def last_conv_stage(model: nn.Module, probe: Tensor) -> nn.Module:
     """The module whose output is the feature map of `model`'s last conv stage (as fine-pruning
     and NAD find it: after that stage's norm, activation and pooling, and after a residual add)."""
-    from backdoorbench.defenses.fine_pruning import conv_stage_outputs
-
     return conv_stage_outputs(model, probe)[-1][1]
 
 

@@ -13,9 +13,9 @@ image, and returns the mean and (population) std over the N images of:
   paper's setting (Wang et al., IEEE TIP 2004: 11x11 Gaussian window, sigma 1.5, no N/(N-1)).
 - LPIPS v0.1 with the AlexNet trunk (Zhang et al., CVPR 2018), through the `lpips` package. Its
   linear layers ship inside the package; the AlexNet ImageNet weights are torchvision's
-  alexnet-owt-7be5be79.pth and are never downloaded here. They are looked up in the `lpips_weights`
-  argument, then $BACKDOORBENCH_LPIPS_ALEXNET, then torch hub's checkpoint folder. If none has it,
-  LPIPS is None with the reason (and one warning): never a number from an untrained network.
+  alexnet-owt-7be5be79.pth, found or downloaded once as the `lpips` argument (`eval.lpips`: auto,
+  off or a path) says (metrics/lpips_weights.py). Without them LPIPS is None with the reason (and
+  one warning where they were wanted): never a number from an untrained network.
   Gray images are repeated to 3 channels; images under 32 px a side (AlexNet's smallest input,
   e.g. 28 px MNIST) are upsampled bilinearly so the short side is 32.
 - L_inf and L_2 norms of (poisoned - clean) per image, in [0, 1] pixel units.
@@ -34,11 +34,16 @@ from torch import Tensor
 
 from backdoorbench.errors import DataError
 from backdoorbench.fileio import torch_load
+from backdoorbench.metrics.lpips_weights import (
+    ALEXNET_FILE,
+    ALEXNET_URL,
+    LPIPS_URL_ENV,
+    LPIPS_WEIGHTS_ENV,
+    alexnet_hub_path,
+    resolve_alexnet_weights,
+)
 
 PSNR_CAP_DB = 100.0
-ALEXNET_FILE = "alexnet-owt-7be5be79.pth"
-ALEXNET_URL = f"https://download.pytorch.org/models/{ALEXNET_FILE}"
-LPIPS_WEIGHTS_ENV = "BACKDOORBENCH_LPIPS_ALEXNET"
 LPIPS_MIN_SIZE = 32
 
 # skimage.metrics.structural_similarity's constants.
@@ -48,7 +53,7 @@ SSIM_GAUSSIAN_SIGMA, SSIM_GAUSSIAN_TRUNCATE = 1.5, 3.5
 
 
 class LpipsUnavailableWarning(UserWarning):
-    """LPIPS was skipped because the AlexNet backbone weights are not on this machine."""
+    """LPIPS was skipped because the AlexNet backbone weights are not on this machine and could not be fetched."""
 
 
 # ----------------------------------------------------------------------------- pixel metrics
@@ -160,27 +165,6 @@ def ssim(
 # ----------------------------------------------------------------------------- LPIPS
 
 
-def alexnet_hub_path() -> Path:
-    """Where torchvision itself keeps (and would download) the AlexNet ImageNet weights."""
-    return Path(torch.hub.get_dir()) / "checkpoints" / ALEXNET_FILE
-
-
-def find_alexnet_weights(lpips_weights: str | os.PathLike | None = None) -> Path | None:
-    """The AlexNet weights file to use, or None when there is none on this machine.
-
-    A path given explicitly (argument, then $BACKDOORBENCH_LPIPS_ALEXNET) must exist: a typo should
-    fail loudly rather than quietly drop LPIPS. Otherwise torch hub's checkpoint folder is tried.
-    """
-    for source, value in (("lpips_weights", lpips_weights), (LPIPS_WEIGHTS_ENV, os.environ.get(LPIPS_WEIGHTS_ENV))):
-        if value:
-            path = Path(value).expanduser()
-            if not path.is_file():
-                raise DataError(f"{source}={str(path)!r} is not a file; give the path of {ALEXNET_FILE} ({ALEXNET_URL})")
-            return path
-    hub = alexnet_hub_path()
-    return hub if hub.is_file() else None
-
-
 def _alexnet_features(path: Path) -> dict[str, Tensor]:
     """The conv weights of AlexNet's `features` from a torchvision checkpoint (full model or features only)."""
     try:
@@ -199,7 +183,11 @@ _LPIPS_CACHE: dict[tuple[str, int, int, str], torch.nn.Module] = {}
 
 def load_lpips(weights: str | os.PathLike, device: str | torch.device = "cpu") -> torch.nn.Module:
     """lpips.LPIPS(net='alex', version='0.1') with its AlexNet trunk loaded from `weights`, built
-    without torchvision downloading anything; cached per file and device."""
+    without torchvision downloading anything; cached per file and device.
+
+    The network is laid out on the meta device and every tensor is then assigned from the files:
+    torchvision would otherwise initialise a whole AlexNet (61M parameters, seconds of CPU) only
+    for lpips to keep its 2.5M-parameter trunk and overwrite it."""
     path = Path(weights).expanduser().resolve()
     stat = path.stat()
     key = (str(path), stat.st_mtime_ns, stat.st_size, str(torch.device(device)))
@@ -211,7 +199,9 @@ def load_lpips(weights: str | os.PathLike, device: str | torch.device = "cpu") -
     with warnings.catch_warnings():
         # lpips asks torchvision for alexnet(pretrained=False): deprecated, harmless, and no download.
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torchvision\.models\._utils")
-        model = lpips.LPIPS(pretrained=False, net="alex", version="0.1", pnet_rand=True, verbose=False)
+        with torch.device("meta"):
+            model = lpips.LPIPS(pretrained=False, net="alex", version="0.1", pnet_rand=True, verbose=False)
+    model.scaling_layer = lpips.ScalingLayer()  # its two constant buffers, built for real
     trunk = {}
     for name, param in model.net.state_dict().items():  # e.g. slice2.3.weight <- features 3.weight
         source = name.split(".", 1)[1]
@@ -220,7 +210,7 @@ def load_lpips(weights: str | os.PathLike, device: str | torch.device = "cpu") -
             raise DataError(f"{path}: AlexNet layer features.{source} should have shape {tuple(param.shape)}, "
                             f"got {found}; replace it with {ALEXNET_URL}")
         trunk[name] = features[source]
-    model.net.load_state_dict(trunk, strict=True)
+    model.net.load_state_dict(trunk, strict=True, assign=True)
 
     # The linear layers calibrated on human judgments, shipped inside the lpips package.
     linear_path = Path(lpips.__file__).parent / "weights" / "v0.1" / "alex.pth"
@@ -228,7 +218,10 @@ def load_lpips(weights: str | os.PathLike, device: str | torch.device = "cpu") -
     expected = {name for name in model.state_dict() if name.startswith("lin") and not name.startswith("lins.")}
     if set(linear) != expected:  # lins.k are the same parameters as link
         raise DataError(f"{linear_path}: not the lpips v0.1 AlexNet linear layers; reinstall lpips")
-    model.load_state_dict(linear, strict=False)
+    model.load_state_dict(linear, strict=False, assign=True)
+    unset = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if unset:  # a layer the lpips package added since: never compute with a tensor no file gave
+        raise DataError(f"this lpips package has layers no weights file sets ({', '.join(unset)}); install lpips 0.1.4")
     model = model.eval().requires_grad_(False).to(device)
     _LPIPS_CACHE[key] = model
     return model
@@ -274,15 +267,16 @@ def stealth_metrics(
     clean: Tensor,
     poisoned: Tensor,
     *,
-    lpips_weights: str | os.PathLike | None = None,
+    lpips: str | os.PathLike | None = "auto",
     device: str | torch.device = "cpu",
     batch_size: int = 256,
 ) -> dict[str, Any]:
     """PSNR, SSIM, LPIPS, L_inf and L_2 of `poisoned` against `clean` ((N, C, H, W), [0, 1]),
     each as {"mean", "std"} over the N images; plain floats, valid JSON (no inf/NaN).
 
-    LPIPS is None, with `lpips_reason`, when the AlexNet weights are not on this machine (one
-    LpipsUnavailableWarning is emitted) or the images have neither 1 nor 3 channels.
+    `lpips`: auto (find the AlexNet weights, or download them once), off, or the weights' path.
+    LPIPS is None, with `lpips_reason`, when it is off ("off"), when the weights are neither here
+    nor downloadable (one LpipsUnavailableWarning) or the images have neither 1 nor 3 channels.
     """
     clean, poisoned = _check_pair(clean, poisoned)
     psnr_values = psnr(clean, poisoned)
@@ -290,12 +284,10 @@ def stealth_metrics(
     if clean.shape[1] not in (1, 3):
         lpips_reason = f"LPIPS needs 1 or 3 channels, the images have {clean.shape[1]}"
     else:
-        weights = find_alexnet_weights(lpips_weights)
-        if weights is None:
-            lpips_reason = (f"AlexNet ImageNet weights not found: place {ALEXNET_FILE} ({ALEXNET_URL}) at "
-                            f"{alexnet_hub_path()} or set {LPIPS_WEIGHTS_ENV} to its path")
+        weights, lpips_reason = resolve_alexnet_weights(lpips)
+        if weights is None and lpips_reason != "off":
             warnings.warn(f"LPIPS not computed: {lpips_reason}", LpipsUnavailableWarning, stacklevel=2)
-        else:
+        elif weights is not None:
             model = load_lpips(weights, device)
             lpips_summary = _summary(lpips_distance(clean, poisoned, model, batch_size=batch_size))
             lpips_size = list(_lpips_input(clean[:1]).shape[-2:])
@@ -319,13 +311,17 @@ def stealth_metrics(
 
 __all__ = [
     "PSNR_CAP_DB",
+    "ALEXNET_FILE",
+    "ALEXNET_URL",
+    "LPIPS_URL_ENV",
     "LPIPS_WEIGHTS_ENV",
     "LpipsUnavailableWarning",
+    "alexnet_hub_path",
     "psnr",
     "ssim",
     "linf_distance",
     "l2_distance",
-    "find_alexnet_weights",
+    "resolve_alexnet_weights",
     "load_lpips",
     "lpips_distance",
     "stealth_metrics",

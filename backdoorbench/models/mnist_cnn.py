@@ -20,6 +20,7 @@ class MnistCNN(ImageClassifier):
     """
 
     name = "mnist_cnn"
+    aliases = ("cnn",)  # model=cnn (backdoorbench/registry.py)
 
     def __init__(
         self,

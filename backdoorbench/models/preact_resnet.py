@@ -94,6 +94,7 @@ class PreActResNet18(PreActResNet):
     """PreAct ResNet-18 (2-2-2-2 basic blocks, about 11.2M parameters for 10 classes)."""
 
     name = "preact_resnet18"
+    aliases = ("preactresnet18", "preact_rn18")  # model=preactresnet18 (backdoorbench/registry.py)
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("blocks", (2, 2, 2, 2))

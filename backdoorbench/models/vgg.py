@@ -89,6 +89,7 @@ class VGG16BN(VGG):
     """VGG-16 (config D) with batch norm."""
 
     name = "vgg16_bn"
+    aliases = ("vgg16",)  # model=vgg16 (backdoorbench/registry.py)
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("layout", "vgg16")

@@ -1,4 +1,4 @@
-"""Issue 18's protocol tables, made from the records (`<results_dir>/leaderboard/protocols.md`,
+"""The protocol tables, made from the records (`<results_dir>/leaderboard/protocols.md`,
 written with the leaderboard): per attack, the reactivation and cost of every defense run with
 `eval.reactivation.enabled=true`; the clean-data budget sweep (`experiment=clean_budget`); the
 sensitivity sweeps (`experiment=sensitivity_<defense>`). Every number is the mean over the seeds
@@ -7,15 +7,16 @@ of one setting (± the std where there are several); n says how many."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections import Counter, defaultdict
 from typing import Any, Callable
 
-from backdoorbench.leaderboard import (NOT_APPLICABLE, NotApplicable, Row, _sweep_key, row_setting, setting_labels,
-                                       setting_value, summarize, sweep_settings)
-from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES, CLEAN_BUDGET_KEY, SENSITIVITY, defense_defaults
 from backdoorbench.records import RunRecord
+from backdoorbench.report.cells import NOT_APPLICABLE, NotApplicable, summarize
+from backdoorbench.report.derived import row_setting, sensitivity_keys, sweep_key, sweep_settings
+from backdoorbench.report.query import Row, row_label
+
+CLEAN_BUDGET_KEY = "clean_fraction"  # the config key (under `defense.`) the clean-budget sweep varies
 
 # The sweeps drawn as a table need this many settings: two rows of one setting that happen to differ
 # in one key (an earlier protocol beside the table's) are not a sweep.
@@ -42,26 +43,10 @@ def _curve(record: RunRecord, part: str) -> dict[str, Any]:
     return curve if isinstance(curve, dict) and curve.get("asr") else {}
 
 
-def _setting(label: str, *dropped: str) -> str:
-    """A row's setting label without the parts a table's columns already say: whether the optional
-    reactivation stage ran, and the swept key."""
-    return ", ".join(p for p in label.split(", ") if p and not p.startswith(("reactivation=", *dropped))) or "–"
-
-
-def _labels(rows: list[Row]) -> dict[int, str]:
-    """id(row) -> what differs between the rows of one defense among `rows` (the rows a table shows,
-    not every row of the leaderboard), with a cut budget always named."""
-    by_defense: dict[str, list[Row]] = defaultdict(list)
-    for row in rows:
-        by_defense[row.defense].append(row)
-    labels = {}
-    for members in by_defense.values():
-        for row, label in zip(members, setting_labels([m.config for m in members])):
-            budget = (row.config.get("defense") or {}).get("budget")
-            if budget not in (None, "official") and "budget=" not in label:
-                label = ", ".join(filter(None, [label, f"budget={budget}"]))
-            labels[id(row)] = label
-    return labels
+def _labels(rows: list[Row], *dropped: str) -> dict[int, str]:
+    """id(row) -> its setting label (`report.setting`, a cut budget named) without the keys a table's
+    columns already say (the swept ones), "–" at the defaults."""
+    return {id(row): row_label(row, dropped) or "–" for row in rows}
 
 
 def _heading(row: Row) -> str:
@@ -97,7 +82,7 @@ def reactivation_tables(rows: list[Row], records: dict[str, RunRecord]) -> list[
             defended = [_curve(r, "defended") for r in members]
             probe = [c.get("probe") or {} for c in defended]
             cost = [r.defense_cost or {} for r in members]
-            setting = _setting(labels[id(row)])
+            setting = labels[id(row)]
             lines.append(" | ".join([
                 f"| {row.defense}", setting, str(len(members)),
                 f"{_pct(get(lambda r: r.metrics['defended']['clean_acc']))} / "
@@ -206,21 +191,21 @@ def _like_with_like(chosen: dict[tuple, Row], seeds: tuple[int, ...], members: l
                 break
 
 
-def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]],
+def _sweeps(rows: list[Row], keys_of: Callable[[Row], tuple[str, ...]],
             records: dict[str, RunRecord] | None = None) -> dict[str, list[tuple[Row, tuple, dict]]]:
-    """heading -> [(a row of the sweep, its seeds, {setting: row})] for each sweep of MIN_SETTINGS or more.
-    A sweep compares one seed set (leaderboard.sweep_settings); given the records, each setting is then
-    the run of that seed set made most like the sweep (_like_with_like), which may be a row that ran
-    those seeds and more, restricted to them (a sweep run at seed 0 beside a 3-seed row at its
-    default: the default's seed-0 run, not the 3-seed mean)."""
-    by_key: dict[tuple[str, ...], list[Row]] = defaultdict(list)
+    """heading -> [(a row of the sweep, its seeds, {setting: row})] for each sweep of MIN_SETTINGS or more
+    of the dotted keys `keys_of(row)` names (none: the row is in no sweep). A sweep compares one seed
+    set (derived.sweep_settings); given the records, each setting is then the run of that seed set made
+    most like the sweep (_like_with_like), which may be a row that ran those seeds and more, restricted
+    to them (a sweep run at seed 0 beside a 3-seed row at its default: the default's seed-0 run, not
+    the 3-seed mean)."""
+    by_key: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
-        if row.table == "defenses" and row.defense in defenses and hasattr(row.cells.get("asr_after"), "mean"):
-            keys = tuple(f"defense.{k}" for k in defenses[row.defense])
-            by_key[(row.defense, *_sweep_key(row, keys))].append(row)
+        keys = keys_of(row) if row.table == "defenses" else ()
+        if keys and hasattr(row.cells.get("asr_after"), "mean"):
+            by_key[(row.defense, keys, *sweep_key(row, keys))].append(row)
     found: dict[str, list[tuple[Row, tuple, dict]]] = defaultdict(list)
-    for members in by_key.values():
-        keys = tuple(f"defense.{k}" for k in defenses[members[0].defense])
+    for (_, keys, *_), members in by_key.items():
         seeds, chosen = sweep_settings(members, keys)
         if records and seeds:
             _like_with_like(chosen, seeds, members, keys, records)
@@ -229,23 +214,27 @@ def _sweeps(rows: list[Row], defenses: dict[str, tuple[str, ...]],
     return found
 
 
+def _clean_budget_keys(row: Row) -> tuple[str, ...]:
+    return (f"defense.{CLEAN_BUDGET_KEY}",) if row.facts.get("clean_budget") else ()
+
+
 def clean_budget_tables(rows: list[Row], records: dict[str, RunRecord] | None = None) -> list[str]:
     """Per attack setting: CA / ASR after each defense at each share of clean training data it held."""
     lines: list[str] = []
-    sweeps = _sweeps(rows, {d: (CLEAN_BUDGET_KEY,) for d in CLEAN_BUDGET_DEFENSES}, records)
+    sweeps = _sweeps(rows, _clean_budget_keys, records)
     for heading, entries in sorted(sweeps.items()):
         fractions = sorted({s[0] for _, _, chosen in entries for s in chosen if s[0] is not None})
         lines += [f"### {heading}", "", "CA / ASR after the defense, %, at each clean fraction of the training set.", "",
                   "| defense | setting | seeds | " + " | ".join(f"{100 * f:g}%" for f in fractions) + " |",
                   "|---|---|---|" + "---|" * len(fractions)]
-        labels = _labels([first for first, _, _ in entries])
+        labels = _labels([first for first, _, _ in entries], CLEAN_BUDGET_KEY)
         for first, seeds, chosen in sorted(entries, key=lambda e: (e[0].defense, labels[id(e[0])])):
             cells = []
             for fraction in fractions:
                 row = chosen.get((fraction,))
                 cells.append("–" if row is None else
                              f"{_cell(row, 'ca_after')} / {_cell(row, 'asr_after')}")
-            setting = _setting(labels[id(first)], f"{CLEAN_BUDGET_KEY}=")
+            setting = labels[id(first)]
             lines.append(f"| {first.defense} | {setting} | {' '.join(map(str, seeds))} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
@@ -262,14 +251,14 @@ def sensitivity_tables(rows: list[Row], records: dict[str, RunRecord] | None = N
     """Per attack setting: each defense's ASR after (and CA after) at every value of its swept
     hyper-parameter, the default in bold, and the spread (max - min ASR after, points)."""
     lines: list[str] = []
-    for heading, entries in sorted(_sweeps(rows, SENSITIVITY, records).items()):
+    for heading, entries in sorted(_sweeps(rows, sensitivity_keys, records).items()):
         lines += [f"### {heading}", "",
                   "Each value: ASR after / CA after the defense, %; the default in bold.", "",
                   "| defense | swept | seeds | values: ASR / CA after | ASR spread (points) |", "|---|---|---|---|---|"]
         for first, seeds, chosen in sorted(entries, key=lambda e: e[0].defense):
-            keys = SENSITIVITY[first.defense]
-            defaults = defense_defaults(first.defense)
-            default = tuple(setting_value(json.dumps(defaults.get(k))) for k in keys)
+            keys = first.facts["sensitivity_keys"]
+            # the default: the setting of a row at the defense's defaults (`report.defense_at_defaults`)
+            default = next((s for s, row in chosen.items() if row.facts.get("defense_at_defaults")), None)
             parts, asr = [], []
             for setting in sorted(chosen, key=_sort_key):
                 row = chosen[setting]
@@ -290,6 +279,7 @@ def _sort_key(setting: tuple) -> tuple:
 
 
 def protocol_markdown(rows: list[Row], records: list[RunRecord]) -> str:
+    """protocols.md: the reactivation, clean-budget and sensitivity tables."""
     by_id = {r.run_id: r for r in records}
     sections = [
         ("Reactivation and cost", "The retuning attack of Min et al. (NeurIPS 2024) after each defense, and "
@@ -301,7 +291,7 @@ def protocol_markdown(rows: list[Row], records: list[RunRecord]) -> str:
         ("Sensitivity", "`python -m backdoorbench --multirun experiment=sensitivity_<defense> attack=<name>`: "
          "each defense's key hyper-parameter swept around its default.", sensitivity_tables(rows, by_id)),
     ]
-    out = ["# Protocol tables (issue 18)", "",
+    out = ["# Protocol tables", "",
            "Made by `python -m backdoorbench.leaderboard` from the records, never by hand. "
            "CA, ASR in %, mean ± std over the seeds listed; one seed: no ±.", ""]
     for title, text, lines in sections:

@@ -39,11 +39,13 @@ from torch import Tensor, nn
 
 from backdoorbench import checks, distributed, progress
 from backdoorbench.datasets.base import Split, to_float
-from backdoorbench.errors import ConfigError, DataError, UserError
-from backdoorbench.fileio import atomic_torch_save, torch_load
+from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.precision import precision_context, resolve_precision
+from backdoorbench.train.augment import apply_augmentation, draw_augmentation, draw_rotation, rotate
+from backdoorbench.train.batches import batch_bounds, refresh_every, shard_bounds, to_device
+from backdoorbench.train.checkpoint import load_checkpoint, save_checkpoint
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("backdoorbench.train")  # the name it had as one module: log configs use it
 
 # A step maps (model, augmented images in [0, 1], labels) to (loss, logits, labels scored).
 StepFn = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
@@ -71,116 +73,6 @@ def resolve_device(device: str) -> torch.device:
 def cross_entropy_step(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     logits = model(x)
     return F.cross_entropy(logits, y), logits, y
-
-
-def augment_batch(
-    x: Tensor, generator: torch.Generator, crop_padding: int, hflip: bool, rotation: float = 0.0, rotation_p: float = 0.5
-) -> Tensor:
-    """Random crop after zero padding by `crop_padding` px, and random horizontal flips, per image;
-    then, when `rotation` > 0, a random rotation (float images only) as `draw_rotation` says."""
-    offsets, flips = draw_augmentation(len(x), generator, crop_padding, hflip)
-    angles = draw_rotation(len(x), generator, rotation, rotation_p)
-    return rotate(apply_augmentation(x, offsets, flips, crop_padding), angles)
-
-
-def draw_augmentation(
-    count: int, generator: torch.Generator, crop_padding: int, hflip: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """Crop offsets (count, 2) in [0, 2 * crop_padding] and flip coins (count,), drawn on the CPU;
-    None for an augmentation that is off (then nothing is drawn)."""
-    offsets = torch.randint(2 * crop_padding + 1, (count, 2), generator=generator) if crop_padding > 0 else None
-    flips = torch.rand(count, generator=generator) < 0.5 if hflip else None
-    return offsets, flips
-
-
-def apply_augmentation(x: Tensor, offsets: Tensor | None, flips: Tensor | None, crop_padding: int) -> Tensor:
-    """Crop each image of `x` (any dtype) at its offset in the zero-padded image, then flip those
-    whose coin is set; offsets and coins are moved to `x`'s device if they are not there."""
-    batch, channels, height, width = x.shape
-    if offsets is not None:
-        offsets = _to_device(offsets, x.device)
-        padded = F.pad(x, (crop_padding,) * 4).contiguous()
-        span = 2 * crop_padding + 1
-        padded_h, padded_w = height + 2 * crop_padding, width + 2 * crop_padding
-        # A view of every crop, (B, C, dy, dx, H, W), no copy; indexing it copies one crop per
-        # image: 3-4x faster than gathering each pixel with its own index.
-        windows = padded.as_strided(
-            (batch, channels, span, span, height, width),
-            (channels * padded_h * padded_w, padded_h * padded_w, padded_w, 1, padded_w, 1),
-        )
-        x = windows[torch.arange(batch, device=x.device), :, offsets[:, 0], offsets[:, 1]]
-    if flips is not None:
-        x = torch.where(_to_device(flips, x.device)[:, None, None, None], x.flip(3), x)
-    return x
-
-
-def draw_rotation(count: int, generator: torch.Generator, degrees: float, p: float) -> Tensor | None:
-    """Rotation angles (count,) in degrees: uniform in [-degrees, degrees] for each image whose coin
-    (probability p) is set, 0 for the others; drawn on the CPU after the crop and flip draws. None
-    when rotation is off (degrees or p is 0): then nothing is drawn, so the generator's stream, and
-    every run without rotation, is as before rotation existed."""
-    if degrees <= 0 or p <= 0:
-        return None
-    coins = torch.rand(count, generator=generator) < p
-    angles = (torch.rand(count, generator=generator) * 2 - 1) * degrees
-    return torch.where(coins, angles, torch.zeros(()))
-
-
-def rotate(x: Tensor, angles: Tensor | None) -> Tensor:
-    """Rotate each float image of `x` about its centre by its angle (degrees), bilinearly, zeros
-    outside (as kornia's RandomRotation, which the WaNet and LIRA code use); images whose angle is
-    0 come back unchanged. `angles` None: `x` itself."""
-    if angles is None:
-        return x
-    if not x.is_floating_point():
-        raise TypeError("rotate needs float images; convert the uint8 batch with to_float first")
-    angles = _to_device(angles, x.device)
-    batch, channels, height, width = x.shape
-    radians = angles.float() * (math.pi / 180)
-    cos, sin = radians.cos(), radians.sin()
-    # affine_grid works in [-1, 1] units per axis (align_corners=True: +-1 are the edge pixels'
-    # centres), so a rotation in pixels has its off-diagonal terms scaled by the aspect ratio.
-    aspect = max(height - 1, 1) / max(width - 1, 1)
-    theta = torch.stack([torch.stack([cos, -sin * aspect, torch.zeros_like(cos)], 1),
-                         torch.stack([sin / aspect, cos, torch.zeros_like(cos)], 1)], 1)
-    with torch.autocast(x.device.type, enabled=False):
-        grid = F.affine_grid(theta, [batch, channels, height, width], align_corners=True)
-        rotated = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=True)
-    return torch.where((angles != 0)[:, None, None, None], rotated.to(x.dtype), x)
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """A copy from pageable host memory makes the host wait for the GPU; from pinned memory it
-    is queued like a kernel (the caching host allocator keeps the buffer alive until it ran)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def batch_bounds(count: int, batch_size: int, min_last: int = 2) -> list[tuple[int, int]]:
-    """(start, stop) of each batch; a last batch smaller than `min_last` joins the one before it,
-    because batch norm cannot train on a single sample (it raises on a (1, C) input). With N
-    processes `min_last` is 2N, so that every process's share of the last batch has two."""
-    starts = list(range(0, count, batch_size))
-    if len(starts) > 1 and count - starts[-1] < min_last:
-        starts.pop()
-    return [(start, min(start + batch_size, count) if i < len(starts) - 1 else count) for i, start in enumerate(starts)]
-
-
-def shard_bounds(start: int, stop: int, rank: int, world: int) -> tuple[int, int]:
-    """This process's contiguous share of the batch [start, stop): the first (size mod world)
-    processes take one sample more, as torch.tensor_split does."""
-    base, extra = divmod(stop - start, world)
-    low = start + rank * base + min(rank, extra)
-    return low, low + base + (1 if rank < extra else 0)
-
-
-def refresh_every(batches: int) -> int:
-    """Batches between two readings of the running loss and accuracy for the bar: about eight per
-    epoch, at most 50 apart. Each reading waits for the GPU, so not every step."""
-    return max(1, min(50, batches // 8))
 
 
 class _StepModule(nn.Module):
@@ -217,9 +109,6 @@ def _constant(progress: float, milestones, gamma) -> float:
 # plateau: ReduceLROnPlateau on the epoch's mean training loss (BackdoorBench's Tiny-ImageNet recipe),
 # a factor that depends on the losses, so it has no function of the progress here.
 SCHEDULES = {"cosine": _cosine, "multistep": _multistep, "constant": _constant, "plateau": None}
-
-
-CHECKPOINT_FORMAT = "backdoorbench.trainer_checkpoint.v1"
 
 
 class Trainer:
@@ -410,7 +299,7 @@ class Trainer:
             if self.augment:
                 offsets, flips = draw_augmentation(len(split), generator, self.crop_padding, self.hflip)
                 angles = draw_rotation(len(split), generator, self.rotation, self.rotation_p)
-            order, offsets, flips, angles = (_to_device(t, self.device) if t is not None else None
+            order, offsets, flips, angles = (to_device(t, self.device) if t is not None else None
                                              for t in (order, offsets, flips, angles))
             loss_sum = torch.zeros((), device=self.device)
             correct = torch.zeros((), device=self.device, dtype=torch.long)
@@ -497,91 +386,9 @@ class Trainer:
         net = self._compiled(model)
         out = []
         for start in range(0, len(images), self.eval_batch_size):
-            x = to_float(_to_device(images[start : start + self.eval_batch_size], self.device))
+            x = to_float(to_device(images[start : start + self.eval_batch_size], self.device))
             if transform is not None:
                 x = transform(x)
             with self.autocast():
                 out.append(net(x.contiguous(memory_format=self.memory_format)).argmax(1))
         return torch.cat(out).cpu() if out else torch.empty(0, dtype=torch.long)
-
-
-def save_checkpoint(
-    path: Path,
-    meta: dict[str, Any],
-    epoch: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    generator: torch.Generator,
-    extra_params: list[nn.Parameter],
-    history: list[dict[str, Any]],
-    *,
-    companion: Any = None,
-) -> None:
-    """Write the state after `epoch` to a temp file beside `path`, then rename it over `path`,
-    so a crash mid-write leaves the previous epoch's checkpoint intact. `companion`'s
-    `training_state()` (e.g. a training-controlled attack's generator) is saved with it."""
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "meta": meta,
-        "epoch": epoch,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "generator": generator.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-        "extra_params": [p.detach().cpu() for p in extra_params],
-        "history": history,
-        "companion": companion.training_state() if companion is not None else None,
-    }
-    atomic_torch_save(state, path)
-
-
-def load_checkpoint(
-    path: Path,
-    meta: dict[str, Any],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    generator: torch.Generator,
-    extra_params: list[nn.Parameter],
-    *,
-    companion: Any = None,
-) -> tuple[int, list[dict[str, Any]]]:
-    """Restore everything `save_checkpoint` wrote; return (epochs done, their history rows).
-    Anything unreadable or written by a different fit is one DataError line."""
-    where = f"checkpoint {str(path)!r}"
-    try:
-        state = torch_load(path, map_location="cpu")
-    except Exception as exc:  # a truncated zip, a foreign pickle, ...: torch raises many types
-        raise DataError(f"{where} cannot be read ({type(exc).__name__}); delete it to train from scratch") from exc
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise DataError(f"{where} is not a trainer checkpoint ({CHECKPOINT_FORMAT}); delete it or give another path")
-    if state.get("meta") != meta:
-        raise DataError(f"{where} was written by another fit ({state.get('meta')}), not this one ({meta}); "
-                        "delete it or give another path")
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if len(state["extra_params"]) != len(extra_params):
-            raise ValueError(f"{len(state['extra_params'])} extra parameters saved, {len(extra_params)} given")
-        with torch.no_grad():
-            for param, saved in zip(extra_params, state["extra_params"]):
-                param.copy_(saved)
-        if (state.get("companion") is None) != (companion is None):
-            raise ValueError("the checkpoint's training-time attack state does not match this fit's")
-        if companion is not None:
-            companion.load_training_state(state["companion"])
-        generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        epoch, history = int(state["epoch"]), list(state["history"])
-    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"{where} does not fit this model or optimizer ({reason[:200]}); delete it or give another path") from exc
-    if not 0 <= epoch <= meta["epochs"]:
-        raise DataError(f"{where} is at epoch {epoch}, outside 0..{meta['epochs']}; delete it or give another path")
-    return epoch, history
