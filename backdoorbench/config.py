@@ -1,21 +1,21 @@
 """Typed schema of the top-level config and the trainer, registered with Hydra's ConfigStore.
 
 Hydra checks overrides against these types at composition, so `seed=abc` or
-`trainer.epochs=ten` fail before anything runs. Import this module before composing. Also what
-of a resolved config identifies a run: the run id's hash leaves out the keys that change only
-where or how a run reports.
+`trainer.epochs=ten` fail before anything runs. Import this module before composing. What of a
+resolved config identifies a run (the run id) is `backdoorbench.run_keys`, re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+from backdoorbench.run_keys import (NON_RESULT_KEYS, config_hash, inert_trainer_keys, protocol_name,  # noqa: F401
+                                    run_config_hash, set_victim_keys)
 
 GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "protocol", "paper", "experiment")
 
@@ -128,14 +128,6 @@ class RunSchema:
     cache_dir: Optional[str] = None  # null = <results_dir>/cache/victims
 
 
-# Keys that change where or how a run reports, never what it computes; left out of the run id.
-# `protocol` names the recipe and holds per-dataset method values, which reach the run through the
-# attack's and trainer's own keys (those are in the id). `eval.lpips` says where LPIPS's weights come
-# from; records made before it hold `eval.lpips_weights`, dropped too so that their ids stay.
-NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips", "eval.lpips_weights", "cache", "cache_dir",
-                   "protocol")
-
-
 def victim_overrides(config: Any) -> dict[str, Any]:
     """The keys `victim_trainer` sets (not null), resolved: what the victim trains with beyond `trainer`."""
     victim = config.get("victim_trainer")
@@ -143,55 +135,13 @@ def victim_overrides(config: Any) -> dict[str, Any]:
         return {}
     if OmegaConf.is_config(victim):
         victim = OmegaConf.to_container(victim, resolve=True)
-    return {key: value for key, value in victim.items() if value is not None and value != []}
+    return set_victim_keys({"victim_trainer": victim})
 
 
 def victim_trainer_node(cfg: Any) -> Any:
     """The victim's trainer config: `trainer` with the victim-only keys of `victim_trainer` on top,
     both resolved against the whole config first (their interpolations name `trainer.epochs`)."""
     return OmegaConf.create({**OmegaConf.to_container(cfg.trainer, resolve=True), **victim_overrides(cfg)})
-
-
-def protocol_name(config: Any) -> str:
-    """The training protocol a config (or a record's) ran: `protocol.name`; a config from before
-    protocols existed trained with today's quick recipe."""
-    protocol = config.get("protocol") or {}
-    return str(protocol.get("name") or "quick")
-
-
-def inert_trainer_keys(config: dict[str, Any]) -> tuple[str, ...]:
-    """Trainer keys added later that play no part at their defaults (and an empty `victim_trainer`):
-    left out of the run id and the victim key, so a run that does not use them keeps the id and the
-    cached victim it had before."""
-    trainer = config.get("trainer") or {}
-    inert = [] if victim_overrides(config) else ["victim_trainer"]
-    if trainer.get("schedule_period") is None:
-        inert.append("trainer.schedule_period")
-    if trainer.get("schedule") != "plateau":
-        inert.append("trainer.plateau_patience")
-    return tuple(inert)
-
-
-def config_hash(config: dict[str, Any], drop: tuple[str, ...]) -> str:
-    """sha256 (16 hex) of the canonical JSON of `config` without the dotted keys in `drop`."""
-    pruned = json.loads(json.dumps(config))
-    for dotted in drop:
-        node = pruned
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return hashlib.sha256(json.dumps(pruned, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def run_config_hash(config: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
-    """The run id's hash: `config_hash` without the non-result keys, and without `eval.reactivation`
-    while it is off (and trainer keys at their inert defaults), so that a run without the stage keeps
-    the id it had before the stage existed."""
-    reactivation = (config.get("eval") or {}).get("reactivation") or {}
-    off = () if reactivation.get("enabled") else ("eval.reactivation",)
-    return config_hash(config, NON_RESULT_KEYS + off + inert_trainer_keys(config) + drop)
 
 
 # conf/hydra/launcher/{joblib,submitit_local,submitit_slurm}.yaml carry the plugins' own names on

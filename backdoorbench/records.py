@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from backdoorbench.config import protocol_name
+from backdoorbench.run_keys import protocol_name
 from backdoorbench.fileio import atomic_write_text, write_new_bytes
 
 SCHEMA_VERSION = 3

@@ -18,7 +18,7 @@ MAX_LINES = 500
 # The layers, lowest first. A module may import from its own layer and from any layer below it;
 # an import from a layer above ("upward") couples the lower layer to what is built on it, and at
 # most one is tolerated. An entry names a module or a package (every module under it).
-#   foundation  errors, argument checks, units, files, interrupts, progress: no method, no config;
+#   foundation  errors, argument checks, units, files, interrupts, progress, the run id's keys: no method, no config;
 #               the package root too: its API names load their modules on first use (importlib),
 #               so importing `backdoorbench` imports nothing else
 #   data        the datasets as in-memory uint8 tensors
@@ -35,7 +35,7 @@ MAX_LINES = 500
 #               the defense suite's closing table
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("backdoorbench", "errors", "checks", "units", "precision", "interrupts", "progress",
-                    "distributed", "fileio")),
+                    "distributed", "fileio", "run_keys")),
     ("data", ("datasets",)),
     ("models", ("models",)),
     ("train", ("train",)),

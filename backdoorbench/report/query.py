@@ -14,16 +14,12 @@ from typing import Any
 
 from backdoorbench.errors import ConfigError
 from backdoorbench.records import RecordError, RunRecord, latest_repeats, load_record
+from backdoorbench.run_keys import NON_RESULT_KEYS  # noqa: F401  (derived reads it here)
 from backdoorbench.report.cells import COLUMNS, Cell, NotApplicable, summarize
 
 TARGET_MODES = ("all2one", "all2all")
 FILTERS = ("dataset", "model", "target_mode")
 CLEAN_ATTACK = "none"  # the clean control: the same training without a trigger (attack=none)
-# Config keys that never change a result (where it writes, how it logs, the cache); the run id
-# leaves them out too (backdoorbench.config.NON_RESULT_KEYS, which this must equal: a test holds
-# them equal, since importing config would import Hydra into reporting).
-NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips", "eval.lpips_weights", "cache", "cache_dir",
-                   "protocol")
 
 
 def victim_training(config: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,62 @@
+"""The run id and the keys it leaves out: plain functions of a resolved config (a dict), without
+Hydra or OmegaConf, so that the records and the report wing can read them without loading either."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+# Keys that change where or how a run reports, never what it computes; left out of the run id.
+# `protocol` names the recipe and holds per-dataset method values, which reach the run through the
+# attack's and trainer's own keys (those are in the id). `eval.lpips` says where LPIPS's weights come
+# from; records made before it hold `eval.lpips_weights`, dropped too so that their ids stay.
+NON_RESULT_KEYS = ("results_dir", "logger", "trainer.progress", "eval.lpips", "eval.lpips_weights", "cache", "cache_dir",
+                   "protocol")
+
+
+def protocol_name(config: Any) -> str:
+    """The training protocol a config (or a record's) ran: `protocol.name`; a config from before
+    protocols existed trained with today's quick recipe."""
+    protocol = config.get("protocol") or {}
+    return str(protocol.get("name") or "quick")
+
+
+def inert_trainer_keys(config: dict[str, Any]) -> tuple[str, ...]:
+    """Trainer keys added later that play no part at their defaults (and an empty `victim_trainer`):
+    left out of the run id and the victim key, so a run that does not use them keeps the id and the
+    cached victim it had before."""
+    trainer = config.get("trainer") or {}
+    inert = [] if set_victim_keys(config) else ["victim_trainer"]
+    if trainer.get("schedule_period") is None:
+        inert.append("trainer.schedule_period")
+    if trainer.get("schedule") != "plateau":
+        inert.append("trainer.plateau_patience")
+    return tuple(inert)
+
+
+def config_hash(config: dict[str, Any], drop: tuple[str, ...]) -> str:
+    """sha256 (16 hex) of the canonical JSON of `config` without the dotted keys in `drop`."""
+    pruned = json.loads(json.dumps(config))
+    for dotted in drop:
+        node = pruned
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(pruned, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_config_hash(config: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
+    """The run id's hash: `config_hash` without the non-result keys, and without `eval.reactivation`
+    while it is off (and trainer keys at their inert defaults), so that a run without the stage keeps
+    the id it had before the stage existed."""
+    reactivation = (config.get("eval") or {}).get("reactivation") or {}
+    off = () if reactivation.get("enabled") else ("eval.reactivation",)
+    return config_hash(config, NON_RESULT_KEYS + off + inert_trainer_keys(config) + drop)
+
+
+def set_victim_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """The keys a resolved config's `victim_trainer` sets (null and [] leave the trainer's)."""
+    return {key: value for key, value in (config.get("victim_trainer") or {}).items() if value not in (None, [])}
