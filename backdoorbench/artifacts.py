@@ -10,7 +10,6 @@ an artifacts file can hold numbers only, never code.
 from __future__ import annotations
 
 import io
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from backdoorbench.errors import DataError
-from backdoorbench.fileio import atomic_write_bytes, write_new_bytes
+from backdoorbench.fileio import atomic_write_bytes, load_arrays, write_new_bytes
 from backdoorbench.metrics.gradcam import gradcam
 
 
@@ -51,12 +49,7 @@ def save_artifacts(path: str | Path, arrays: Mapping[str, Any], *, exclusive: bo
 
 def load_artifacts(path: str | Path) -> dict[str, np.ndarray]:
     """The arrays of an artifacts file; a DataError naming the file if it is missing or corrupt."""
-    path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"artifacts file {path} is missing or unreadable ({exc}); rerun the run that wrote it") from exc
+    return load_arrays(path)
 
 
 def write_beside_record(record_path: str | Path, arrays: Mapping[str, Any]) -> str | None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from backdoorbench import interrupts
-from backdoorbench.errors import ConfigError, StorageError
+from backdoorbench.errors import ConfigError, DataError, StorageError
 
 
 def _umask_mode() -> int:
@@ -204,3 +205,16 @@ def torch_load(path: str | Path, **kwargs: Any) -> Any:
 
     with interrupts.held():
         return torch.load(path, weights_only=True, **kwargs)
+
+
+def load_arrays(path: str | Path) -> dict[str, Any]:
+    """The numpy arrays of an .npz file (a run's artifacts), never unpickling; a DataError naming the
+    file if it is missing or corrupt."""
+    import numpy as np  # here: the rest of this module serves runs that never read an .npz
+
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"artifacts file {path} is missing or unreadable ({exc}); rerun the run that wrote it") from exc

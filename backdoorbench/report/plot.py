@@ -4,12 +4,9 @@ and the colours."""
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import math
 import warnings
-import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,37 +20,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from backdoorbench.errors import DataError  # noqa: E402
-from backdoorbench.fileio import atomic_write_bytes  # noqa: E402
+from backdoorbench.fileio import atomic_write_bytes, load_arrays  # noqa: E402
 from backdoorbench.records import RunRecord, artifacts_path  # noqa: E402
+from backdoorbench.run_keys import config_hash  # noqa: E402
 from backdoorbench.report.derived import build_rows  # noqa: E402
 from backdoorbench.report.query import victim_training  # noqa: E402
 
 ROWS_PER_PAGE = 6  # attack rows per page of the gallery and GradCAM figures: a page a journal can print
 
 
-def load_artifacts(path: str | Path) -> dict[str, np.ndarray]:
-    """The arrays of a run's artifacts file; a DataError naming the file if it is missing or corrupt.
-    (backdoorbench.artifacts writes them, and reads them alike; importing it would import the GradCAM
-    it computes them with, and through the metrics the attacks: reporting reads files only.)"""
-    path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"artifacts file {path} is missing or unreadable ({exc}); rerun the run that wrote it") from exc
-
-
 def config_digest(config: dict[str, Any], drop: tuple[str, ...]) -> str:
     """sha256 (16 hex) of the canonical JSON of `config` without the dotted keys in `drop` (as the run id is made)."""
-    pruned = json.loads(json.dumps(config))
-    for dotted in drop:
-        node = pruned
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return hashlib.sha256(json.dumps(pruned, sort_keys=True).encode()).hexdigest()[:16]
+    return config_hash(config, drop)
 
 
 @dataclass
@@ -70,7 +48,7 @@ class Run:
             where = artifacts_path(self.record, self.path)
             if where is not None:
                 try:
-                    self._artifacts = load_artifacts(where)
+                    self._artifacts = load_arrays(where)
                 except DataError as exc:
                     warnings.warn(f"skipping artifacts of {self.path}: {exc}", stacklevel=2)
         return self._artifacts
