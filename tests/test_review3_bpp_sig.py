@@ -14,6 +14,7 @@ from backdoorbench.attacks.sig import SIG
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
 from tests.tiny import one_thread  # noqa: F401  (autouse: one thread for these tiny tensors)
+from tests.tiny import RecordingTrainer
 
 CLASSES = 4
 
@@ -71,18 +72,6 @@ def test_bpp_without_dithering_keeps_the_float_levels_as_the_official_test_image
 
 
 # --- BPP: the victim's augmentation ----------------------------------------------------------------
-
-class RecordingTrainer:
-    """Stands in for the Trainer: `fit` records the augmentation of the trainer it was called on."""
-
-    def __init__(self, seen: list):
-        self.crop_padding, self.rotation, self.rotation_p = 2, 0.0, 0.5
-        self.seen = seen
-
-    def fit(self, model, split, **kwargs):
-        self.seen.append((self.crop_padding, self.rotation, self.rotation_p))
-        return []
-
 
 def test_bpp_trains_the_victim_with_the_official_crop_and_rotation_and_leaves_the_trainer_alone():
     official = Bpp.__init__.__kwdefaults__["augment"]

@@ -22,6 +22,7 @@ from backdoorbench.datasets.base import Split
 from backdoorbench.leaderboard import build_rows, to_markdown
 from backdoorbench.train import Trainer
 from tests.conftest import ROOT
+from tests.tiny import RecordingTrainer
 
 # BackdoorBench v2.2, SCLBD/BackdoorBench@f02e353:config/attack/prototype/<file>.yaml: every
 # prototype trains PreActResNet-18 with SGD (lr 0.01, momentum 0.9, weight decay 5e-4), batch 128,
@@ -276,18 +277,6 @@ def test_an_attack_trains_under_backdoorbench_as_backdoorbench_trains_it(attack)
     cfg = resolved(f"attack={attack}", f"dataset={dataset}")  # the dataset's default protocol: backdoorbench
     assert cfg["protocol"]["name"] == "backdoorbench"
     assert {key: value_at(cfg, key) for key in expected} == pytest.approx(expected, rel=1e-4)
-
-
-class RecordingTrainer:
-    """Stands in for the Trainer: `fit` records the crop and rotation of the trainer it was called on."""
-
-    def __init__(self, seen: list):
-        self.crop_padding, self.rotation, self.rotation_p = 2, 0.0, 0.5
-        self.seen = seen
-
-    def fit(self, model, split, **kwargs):
-        self.seen.append((self.crop_padding, self.rotation, self.rotation_p))
-        return []
 
 
 def test_wanet_trains_its_victim_with_attack_augment_and_leaves_the_trainer_alone():

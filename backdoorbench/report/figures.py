@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backdoorbench import checks
-from backdoorbench.errors import ConfigError, UserError
+from backdoorbench.errors import ConfigError
 from backdoorbench.fileio import ensure_writable_dir
 from backdoorbench.report.fig_defenses import (fine_pruning_curves, neural_cleanse_anomaly, reactivation_curves,
                                                strip_histograms)
 from backdoorbench.report.fig_examples import gradcam_heatmaps, trigger_gallery
 from backdoorbench.report.fig_robust import penalty_weight_curves, robust_accuracy_curves
 from backdoorbench.report.fig_sweeps import clean_budget_curves, poison_rate_curves
-from backdoorbench.report.leaderboard import parse_args, results_runs
+from backdoorbench.report.leaderboard import parse_args, results_runs, run_command
 from backdoorbench.report.plot import Run
 from backdoorbench.report.query import filter_records, load_records_with_paths
 
@@ -120,33 +120,19 @@ def write_figures(results_dir: str | Path, *, dataset: str | None = None, attack
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: 0 on success, 2 with one `error:` line on bad input."""
-    args = sys.argv[1:] if argv is None else argv
-    if "-h" in args or "--help" in args:
-        print(HELP)
-        return 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    def work(args: list[str]) -> list[str]:
+        options = parse_args(args, {"results_dir": "outputs", "dataset": None, "attacks": None,
+                                    "residual_scale": "10"}, USAGE)
         try:
-            options = parse_args(args, {"results_dir": "outputs", "dataset": None, "attacks": None,
-                                        "residual_scale": "10"}, USAGE)
-            try:
-                scale = float(options["residual_scale"])
-            except ValueError:
-                raise ConfigError(f"residual_scale={options['residual_scale']!r} is not a number; use e.g. residual_scale=10") from None
-            result: dict[int, list[Path]] | UserError = write_figures(
-                options["results_dir"], dataset=options["dataset"], residual_scale=scale,
-                attacks=options["attacks"].split(",") if options["attacks"] else None,
-                report=lambda line: print(line, file=sys.stderr))
-        except UserError as exc:
-            result = exc
-    for warning in caught:
-        if not issubclass(warning.category, UserWarning) or "matplotlib" in str(warning.filename):
-            continue
-        print(f"warning: {warning.message}", file=sys.stderr)
-    if isinstance(result, UserError):
-        print(f"error: {result}", file=sys.stderr)
-        return 2
-    for number, paths in result.items():
-        for path in paths:
-            print(f"figure {number}: {path}")
-    return 0
+            scale = float(options["residual_scale"])
+        except ValueError:
+            raise ConfigError(f"residual_scale={options['residual_scale']!r} is not a number; use e.g. residual_scale=10") from None
+        written = write_figures(options["results_dir"], dataset=options["dataset"], residual_scale=scale,
+                                attacks=options["attacks"].split(",") if options["attacks"] else None,
+                                report=lambda line: print(line, file=sys.stderr))
+        return [f"figure {number}: {path}" for number, paths in written.items() for path in paths]
+
+    def shown(warning: warnings.WarningMessage) -> bool:  # ours, not matplotlib's
+        return issubclass(warning.category, UserWarning) and "matplotlib" not in str(warning.filename)
+
+    return run_command(sys.argv[1:] if argv is None else argv, HELP, work, shown)

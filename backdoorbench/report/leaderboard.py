@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,25 +100,37 @@ def parse_args(args: list[str], options: dict[str, str | None], usage: str) -> d
     return options
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line: 0 on success, 2 with one `error:` line on bad input."""
-    args = sys.argv[1:] if argv is None else argv
+def run_command(args: list[str], help_text: str, work: Callable[[list[str]], list[str]],
+                shown: Callable[[warnings.WarningMessage], bool] = lambda warning: True) -> int:
+    """A report command line: `--help` prints `help_text`; else `work(args)` runs and its lines are
+    printed. Warnings (those `shown` keeps) are one `warning:` line each, not Python's two-line format;
+    bad input is one `error:` line and exit 2. Returns the exit code."""
     if "-h" in args or "--help" in args:
-        print(HELP)
+        print(help_text)
         return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            options = parse_args(args, {"results_dir": "outputs", **{k: None for k in FILTERS}}, USAGE)
-            results_dir = options.pop("results_dir")
-            files: LeaderboardFiles | UserError = write_leaderboard(results_dir, **options)
+            result: list[str] | UserError = work(args)
         except UserError as exc:
-            files = exc
-    for warning in caught:  # one line each, not Python's two-line warning format
-        print(f"warning: {warning.message}", file=sys.stderr)
-    if isinstance(files, UserError):
-        print(f"error: {files}", file=sys.stderr)
+            result = exc
+    for warning in caught:
+        if shown(warning):
+            print(f"warning: {warning.message}", file=sys.stderr)
+    if isinstance(result, UserError):
+        print(f"error: {result}", file=sys.stderr)
         return 2
-    print(f"{files.n_rows} rows from {files.n_records} records -> {files.markdown}, {files.html}, "
-          f"{files.csv['attacks']}, {files.csv['defenses']}, {files.protocols}")
+    for line in result:
+        print(line)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: 0 on success, 2 with one `error:` line on bad input."""
+    def work(args: list[str]) -> list[str]:
+        options = parse_args(args, {"results_dir": "outputs", **{k: None for k in FILTERS}}, USAGE)
+        files = write_leaderboard(options.pop("results_dir"), **options)
+        return [f"{files.n_rows} rows from {files.n_records} records -> {files.markdown}, {files.html}, "
+                f"{files.csv['attacks']}, {files.csv['defenses']}, {files.protocols}"]
+
+    return run_command(sys.argv[1:] if argv is None else argv, HELP, work)
