@@ -545,7 +545,9 @@ def test_a_sensitivity_multirun_gives_the_default_row_its_spread(tmp_path):
     rows = list(csv.DictReader(write_leaderboard(tmp_path).csv["defenses"].open()))
     assert len(rows) == 5  # u = 2, 2.5, 3, 3.5, 4
     (default,) = [r for r in rows if r["asr_spread_mean"] != ""]
-    assert default["setting"] == "u=3" and default["canonical"] == "true"
+    # the setting names what differs from the defaults: nothing for the default u=3, u for the others
+    assert default["setting"] == "" and default["canonical"] == "true"
+    assert sorted(r["setting"] for r in rows if r is not default) == ["u=2", "u=2.5", "u=3.5", "u=4"]
     asr = [float(r["asr_after_mean"]) for r in rows]
     assert float(default["asr_spread_mean"]) == pytest.approx(max(asr) - min(asr))
     # CLP is data-free: its only pass is the one zero image it traces the data flow with
