@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from backdoorbench import distributed, interrupts
 from backdoorbench.artifacts import example_artifacts, write_beside_record
 from backdoorbench.attacks.base import Attack
-from backdoorbench.config import config_hash, protocol_name, run_config_hash, victim_overrides, victim_trainer_node  # noqa: F401  (config_hash: figures reads it here)
+from backdoorbench.config import protocol_name, run_config_hash, victim_overrides, victim_trainer_node
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
 from backdoorbench.defenses.runner import benign_false_positives, run_defense

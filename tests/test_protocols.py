@@ -161,7 +161,7 @@ def nc_config(attack="badnets", threshold=2.0, clean_fraction=0.1):
 
 def save_defense_run(runs, name, *, seed=0, attack="badnets", asr_after=0.1, ca_after=0.95, cfg=None, benign=None,
                      cost=None, defense="neural_cleanse", clean_fraction=None, reactivation=None):
-    from backdoorbench.pipeline import config_hash
+    from backdoorbench.run_keys import config_hash
     from backdoorbench.records import save_record
     from tests.test_records import make_record
 

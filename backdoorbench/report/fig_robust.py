@@ -16,7 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
-from backdoorbench.report.plot import (Run, config_digest, mean_std, panel_grid, save_figure, shared_legend,
+from backdoorbench.run_keys import config_hash  # noqa: E402
+from backdoorbench.report.plot import (Run, mean_std, panel_grid, save_figure, shared_legend,
                                       training_text)  # noqa: E402
 from backdoorbench.report.query import NON_RESULT_KEYS  # noqa: E402
 
@@ -41,10 +42,10 @@ def _model_curves(runs: list[Run]) -> dict[str, dict[str, dict[int, tuple[Run, s
         config, seed = run.record.config, run.record.seed
         if _pgd_rows(run, "attacked"):
             victim = {key: config.get(key) for key in ("dataset", "model", "attack", "trainer", "eval")}
-            key = ("attacked", config_digest(victim, NON_RESULT_KEYS + ("eval.lpips_weights",)))
+            key = ("attacked", config_hash(victim, NON_RESULT_KEYS))
             found[run.dataset][key].setdefault(seed, (run, "attacked"))
         if _pgd_rows(run, "defended"):
-            key = ("defended", config_digest(config, NON_RESULT_KEYS + ("seed",)))
+            key = ("defended", config_hash(config, NON_RESULT_KEYS + ("seed",)))
             found[run.dataset][key].setdefault(seed, (run, "defended"))
     curves: dict[str, dict[str, dict[int, tuple[Run, str]]]] = {}
     for dataset, by_key in sorted(found.items()):
@@ -131,7 +132,7 @@ def penalty_weight_curves(runs: list[Run], out: Path, residual_scale: float = 10
     for run in runs:
         if run.record.defense["name"] != "angular_margin" or not _pgd_rows(run, "defended"):
             continue
-        settings[run.dataset][config_digest(run.record.config, NON_RESULT_KEYS + ("seed", "defense.penalty_weight"))].append(run)
+        settings[run.dataset][config_hash(run.record.config, NON_RESULT_KEYS + ("seed", "defense.penalty_weight"))].append(run)
     written = []
     for dataset, by_setting in sorted(settings.items()):
         chosen = [members for _, members in sorted(by_setting.items()) if len({_lambda_of(m) for m in members}) >= 2]

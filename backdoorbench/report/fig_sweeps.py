@@ -15,7 +15,8 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import NullLocator  # noqa: E402
 
 from backdoorbench.records import RunRecord  # noqa: E402
-from backdoorbench.report.plot import (Run, config_digest, distinct_colour, mean_std, panel_grid, save_figure,
+from backdoorbench.run_keys import config_hash  # noqa: E402
+from backdoorbench.report.plot import (Run, distinct_colour, mean_std, panel_grid, save_figure,
                                       shared_legend, training_text)  # noqa: E402
 from backdoorbench.report.query import NON_RESULT_KEYS, setting_labels  # noqa: E402
 
@@ -37,7 +38,7 @@ def _sweep_panels(runs: list[Run], swept: str, key_of: Callable[[Run], tuple | N
     for run in runs:
         key = key_of(run)
         if key is not None:
-            series[key][config_digest(run.record.config, drop)].append(run)
+            series[key][config_hash(run.record.config, drop)].append(run)
     short = swept.rsplit(".", 1)[-1]
     panels: dict[str, list[SweepPanel]] = defaultdict(list)
     for key, by_setting in sorted(series.items()):

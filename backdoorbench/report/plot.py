@@ -22,16 +22,10 @@ import numpy as np  # noqa: E402
 from backdoorbench.errors import DataError  # noqa: E402
 from backdoorbench.fileio import atomic_write_bytes, load_arrays  # noqa: E402
 from backdoorbench.records import RunRecord, artifacts_path  # noqa: E402
-from backdoorbench.run_keys import config_hash  # noqa: E402
 from backdoorbench.report.derived import build_rows  # noqa: E402
 from backdoorbench.report.query import victim_training  # noqa: E402
 
 ROWS_PER_PAGE = 6  # attack rows per page of the gallery and GradCAM figures: a page a journal can print
-
-
-def config_digest(config: dict[str, Any], drop: tuple[str, ...]) -> str:
-    """sha256 (16 hex) of the canonical JSON of `config` without the dotted keys in `drop` (as the run id is made)."""
-    return config_hash(config, drop)
 
 
 @dataclass
