@@ -20,10 +20,11 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import backdoorbench.config  # noqa: F401  (registers the schemas)
-from backdoorbench import help_page, plugins
+from backdoorbench import help_page, plugins, registry
 from backdoorbench.config import GROUPS, ignore_launcher_schema_match
 from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.help_page import group_options
@@ -36,6 +37,17 @@ SKIP_FLAGS = {"-h", "--help", "--hydra-help", "--version", "-i", "--info", "-sc"
               "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun"}
 
 help_page.register()  # the config-group listing of --help (conf/hydra/help/backdoorbench.yaml)
+
+
+def clean_budget_sweep() -> str:
+    """`${clean_budget_defenses:}`, the defense sweep of conf/experiment/clean_budget.yaml: every built-in
+    defense that declares `needs_clean_data`, in name order, as the comma list Hydra's sweeper reads
+    (it resolves the value when it builds the sweeper, as the preflight does when it reads the sweeps)."""
+    return ",".join(registry.clean_budget_defenses())
+
+
+if not OmegaConf.has_resolver("clean_budget_defenses"):
+    OmegaConf.register_new_resolver("clean_budget_defenses", clean_budget_sweep)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], bool]:
@@ -195,7 +207,7 @@ def preflight(argv: list[str]) -> None:
     from backdoorbench.validation import validate_config
 
     overrides, skip = split_overrides(argv)
-    plugins.register(overrides)  # `defense=pkg.mod:Cls` and entry points become options before Hydra composes
+    plugins.register(overrides, reserved=registry.builtin_aliases)  # `defense=pkg.mod:Cls` and entry points become options before Hydra composes
     if skip:
         if any(arg in ("-h", "--help") for arg in argv):
             _check_help_overrides(overrides)  # the page shows the choices: a wrong one is a line too

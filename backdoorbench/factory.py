@@ -104,7 +104,7 @@ def _composed(group: str, name: str, dataset: str, protocol: str | None) -> dict
     """The resolved `group` and `dataset` nodes of the run config `group=name dataset=dataset`."""
     overrides = [f"dataset={dataset}"] + ([f"{group}={name}"] if group != "dataset" else [])
     overrides += [f"protocol={protocol}"] if protocol else []
-    plugins.register(overrides)  # a plugin class path or entry point becomes an option first
+    plugins.register(overrides, reserved=registry.builtin_aliases)  # a plugin class path or entry point becomes an option first
     with _hydra():
         cfg = compose(config_name="config", overrides=overrides)
     return {key: OmegaConf.to_container(cfg[key], resolve=True) if cfg[key] is not None else None

@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import importlib.resources
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -165,20 +166,25 @@ def _named_choices(overrides: list[str]) -> dict[str, list[str]]:
     return named
 
 
-def register(overrides: list[str]) -> list[str]:
+def register(overrides: list[str], reserved: Callable[[str], dict[str, str]] | None = None) -> list[str]:
     """Store a ConfigStore option for each plugin `overrides` name (class paths and installed entry
     points) before Hydra composes; returns the options stored. A bad path, or an installed entry
-    point named like a built-in, is a ConfigError."""
+    point named like a built-in, is a ConfigError. `reserved(group)`: the built-ins' aliases (alias ->
+    option, `registry.builtin_aliases`), which an entry point may not take either: `defense=nc` means
+    Neural Cleanse, as the hints say. Asked only when an entry point is installed (it loads the classes)."""
     store = ConfigStore.instance()
     named = _named_choices(overrides)
     stored = []
     for kind, group in KINDS.items():
         installed = entry_point_names(kind)
         builtins = set(builtin_names(kind))
+        taken = reserved(group) if reserved is not None and installed else {}
         for name in installed:
-            if name in builtins:
-                raise ConfigError(f"the {group} entry point {name!r} of {_entry_point_owner(kind, name)} clashes with the "
-                                  f"built-in {group} {name!r}; rename the entry point (backdoorbench.{kind})")
+            if name in builtins or name in taken:
+                what = f"the built-in {group} {name!r}" if name in builtins else \
+                    f"the alias of the built-in {group} {taken[name]!r}"
+                raise ConfigError(f"the {group} entry point {name!r} of {_entry_point_owner(kind, name)} clashes with "
+                                  f"{what}; rename the entry point (backdoorbench.{kind})")
         for choice in dict.fromkeys(named.get(group, [])):
             if is_class_path(choice) or "." in choice:  # no option has a dot: a path missing its colon
                 path = choice

@@ -102,14 +102,19 @@ def classes(group: str, builtin_only: bool = False) -> dict[str, Any]:
     return {name: cls for name, cls in found.items() if cls is not None}
 
 
-def aliases(group: str) -> dict[str, str]:
+def aliases(group: str, builtin_only: bool = False) -> dict[str, str]:
     """alias -> option for `group`, from each option's class (`aliases`) and the `none` rule."""
     table: dict[str, str] = {}
-    for name in names(_check_group(group)):
+    for name in builtin_names(_check_group(group)) if builtin_only else names(_check_group(group)):
         declared = tuple(getattr(method_class(group, name), "aliases", ()))
         for alias in declared + (NONE_ALIASES if name == "none" else ()):
             table[alias] = name
     return table
+
+
+def builtin_aliases(group: str) -> dict[str, str]:
+    """alias -> option for the package's own options of `group`: names a plugin may not take."""
+    return aliases(group, builtin_only=True)
 
 
 def sensitivity() -> dict[str, tuple[str, ...]]:
@@ -154,7 +159,8 @@ def method_table(group: str) -> str:
         lines = [header, "|---|---|---|---|---|---|---|"]
         lines += [f"| `{r['name']}` | {r['stage'].replace('_', '-')} | {r['family'].replace('_', ' ')} | "
                   f"{'yes' if r['needs_clean_data'] else 'no'} | {_cell(r['sensitivity'])} | "
-                  f"{'yes' if r['meets_training_controlled_attacks'] else 'no'} | {_cell(r['aliases'])} |"
+                  f"{'yes' if r['meets_training_controlled_attacks'] else 'through the set they export (WaNet, Input-aware)'} | "
+                  f"{_cell(r['aliases'])} |"
                   for r in rows if "stage" in r]
     else:
         raise ConfigError(f"group={group!r} has no method table; use attack or defense")

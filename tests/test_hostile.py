@@ -164,7 +164,19 @@ def assert_refused(proc, fragment: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("setup,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# The cases run as a real `python -m backdoorbench` process (seconds each, most of it importing torch):
+# those refused past the preflight (by the data files, by training), and one of each kind the
+# preflight refuses. The other cases run the same command line in this process (`__main__.main`,
+# below), which is the same code from the preflight to the exit; these prove that nothing else the
+# process prints (an import's warning, Hydra's own output) adds a line to stderr.
+SUBPROCESS_CASES = DATA_CASES | TRAINING_CASES | {
+    "unknown key", "unknown value in a sweep", "group and option without =", "seed not an int", "lira eps above 1",
+    "pattern file not an image"}
+assert SUBPROCESS_CASES <= {c[0] for c in CASES}
+
+
+@pytest.mark.parametrize("setup,fragment", [c[1:] for c in CASES if c[0] in SUBPROCESS_CASES],
+                         ids=[c[0] for c in CASES if c[0] in SUBPROCESS_CASES])
 def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, setup, fragment, request):
     results = tmp_path / "results"  # does not exist yet: a refused run must not even create it
     proc = run_cli("trainer.epochs=0", "eval.stealth_images=0", *setup(tmp_path), f"results_dir={results}")
@@ -202,13 +214,24 @@ def no_data_no_training(monkeypatch):
 
 
 @pytest.mark.parametrize("setup,fragment", [c[1:] for c in BEFORE_DATA], ids=[c[0] for c in BEFORE_DATA])
-def test_refused_before_any_data_or_training(tmp_path, setup, fragment, no_data_no_training, compose_cfg):
+def test_refused_before_any_data_or_training(tmp_path, setup, fragment, no_data_no_training, compose_cfg, monkeypatch,
+                                            capsys):
+    from backdoorbench.__main__ import main
     from backdoorbench.cli import preflight
     from backdoorbench.errors import UserError
     from backdoorbench.pipeline import run
 
     results = tmp_path / "results"
     args = ["trainer.epochs=0", "eval.stealth_images=0", *setup(tmp_path), f"results_dir={results}"]
+    # The command line, in this process: one line on stderr, exit 2, nothing written.
+    monkeypatch.setattr("sys.argv", ["backdoorbench", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
+    assert not results.exists()
     with pytest.raises(UserError) as info:  # the command line's check, before Hydra starts
         preflight(args)
     assert fragment in str(info.value)

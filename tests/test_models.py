@@ -179,8 +179,12 @@ def test_vgg_without_norm_and_too_small_images(build):
     from backdoorbench.models.preact_resnet import PreActResNet18
     from backdoorbench.models.vgg import VGG11
 
-    with pytest.raises(ConfigError, match="at least 32 px"):
+    from backdoorbench.models.vgg import VGG16BN
+
+    with pytest.raises(ConfigError, match="^model vgg11 needs images of at least 32 px"):
         VGG11(in_channels=1, image_size=28)
+    with pytest.raises(ConfigError, match="^model vgg16_bn needs"):  # the option's name, not its layout's
+        VGG16BN(in_channels=1, image_size=28)
     with pytest.raises(ConfigError, match="at least 8 px"):
         PreActResNet18(image_size=4)
 

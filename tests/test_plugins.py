@@ -144,6 +144,17 @@ def test_an_entry_point_named_like_a_builtin_is_one_line(tmp_path, monkeypatch):
         plugins.register(["defense=fine_tuning"])
 
 
+def test_an_entry_point_named_like_a_builtins_alias_is_one_line(tmp_path, monkeypatch):
+    from backdoorbench import registry
+
+    assert registry.builtin_aliases("defense")["nc"] == "neural_cleanse"
+    _, site = write_plugins(tmp_path, "[backdoorbench.defenses]\nnc = my_methods.head_reset:HeadReset\n")
+    monkeypatch.syspath_prepend(str(site))
+    with pytest.raises(ConfigError, match=r"^the defense entry point 'nc' of the package my-methods clashes with the "
+                                          r"alias of the built-in defense 'neural_cleanse'; rename the entry point"):
+        plugins.register(["defense=nc"], reserved=registry.builtin_aliases)
+
+
 @pytest.mark.slow  # composes twice: seconds; the quick CLI run below covers the good path
 def test_the_preflight_composes_a_plugin_with_its_overrides_and_its_own_checks(on_path, tmp_path, compose_cfg):
     from backdoorbench.cli import preflight

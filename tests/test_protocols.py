@@ -444,10 +444,33 @@ def test_every_sweep_preset_varies_the_declared_keys_around_the_default(compose_
     presets = sorted(p.name[len("sensitivity_"):-len(".yaml")] for p in folder.iterdir()
                      if p.name.startswith("sensitivity_"))
     assert presets == sorted(SENSITIVITY), "a sensitivity_<defense>.yaml for each defense that declares `sensitivity`"
-    params = sweep("clean_budget")
-    assert params["defense"] == list(CLEAN_BUDGET_DEFENSES), \
-        "clean_budget.yaml's defenses: each defense class that declares needs_clean_data, in name order"
+    assert OmegaConf.load(str(folder.joinpath("clean_budget.yaml"))).hydra.sweeper.params._get_node("defense")._value() \
+        == "${clean_budget_defenses:}", "clean_budget.yaml's defenses come from the classes, not a typed list"
     assert all("clean_fraction" in defense_defaults(d) for d in CLEAN_BUDGET_DEFENSES)
+
+
+def test_the_clean_budget_multirun_sweeps_every_defense_that_uses_clean_data(tmp_path):
+    """Hydra's own sweeper and launcher, in process, over experiment=clean_budget: the defense list it
+    expands is the classes' `needs_clean_data` declarations (the resolver), times the five budgets."""
+    import backdoorbench.cli  # noqa: F401  (registers the clean_budget_defenses resolver)
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hydra.utils import get_object
+
+    from backdoorbench import registry
+    from backdoorbench.protocols import CLEAN_BUDGET_DEFENSES
+
+    jobs = []
+    with initialize_config_module(config_module="backdoorbench.conf", version_base=None):
+        GlobalHydra.instance().hydra.multirun(
+            config_name="config", task_function=lambda cfg: jobs.append((cfg.defense._target_, cfg.defense.clean_fraction)),
+            overrides=["experiment=clean_budget", "attack=badnets", f"hydra.sweep.dir={tmp_path}",
+                       "hydra/job_logging=none", "hydra/hydra_logging=none"])  # `disabled` disables every existing logger
+    swept = sorted((get_object(target).__name__, budget) for target, budget in jobs)
+    expected = [registry.method_class("defense", name).__name__ for name in CLEAN_BUDGET_DEFENSES]
+    assert swept == sorted((cls, budget) for cls in expected for budget in (0.005, 0.01, 0.02, 0.05, 0.1))
+    assert len(jobs) == 5 * len(CLEAN_BUDGET_DEFENSES) and "strip" in CLEAN_BUDGET_DEFENSES
 
 
 def test_the_sweeps_lists_are_the_defense_classes_declarations():
@@ -488,8 +511,10 @@ def test_a_detector_on_a_clean_victim_records_its_benign_false_positives_and_its
     record, path = run(compose_cfg("attack=none", "defense=spectral", "trainer.epochs=0", "eval.stealth_images=0",
                                    f"results_dir={tmp_path}", "trainer.progress=false", "logger=none"))
     benign = load_record(path).benign
-    # 1.5 x eps 0.1 x 4,000 = 600 per class, at most half of it: half of every class of a clean set goes
-    removed = sum(min(n // 2, 600) for n in torch.bincount(mnist5k.train.labels).tolist())
+    # the official rule, the scores above each class's 85th percentile: 15% of every class of a clean set goes
+    removed = record.metrics["detection"]["n_flagged"]
+    assert sum(int(0.15 * (n - 1)) for n in torch.bincount(mnist5k.train.labels).tolist()) <= removed
+    assert removed <= sum(-(-15 * n // 100) for n in torch.bincount(mnist5k.train.labels).tolist())
     assert benign["measure"] == "share of the clean training set removed"
     assert benign["false_positive"] == removed / 4000 == record.metrics["detection"]["fpr"]
     assert benign["n_flagged"] == removed

@@ -53,7 +53,7 @@ class VGG(ImageClassifier):
         pools = LAYOUTS[layout].count("M")
         side = image_size // 2**pools
         if side < 1:
-            raise ConfigError(f"model {layout} needs images of at least {2**pools} px ({pools} max-pools), got {image_size}; for smaller images use mnist_cnn or preact_resnet18")
+            raise ConfigError(f"model {self.name if self.name != VGG.name else layout} needs images of at least {2**pools} px ({pools} max-pools), got {image_size}; for smaller images use mnist_cnn or preact_resnet18")
         convs = [c for c in LAYOUTS[layout] if c != "M"]
         layers: list[nn.Module] = []
         channels = in_channels
