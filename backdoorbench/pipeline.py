@@ -12,6 +12,7 @@ import copy
 import logging
 import time
 from contextlib import suppress
+from functools import partial
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,7 +42,7 @@ from backdoorbench.records import RunRecord, next_repeat, repeat_path, save_reco
 from backdoorbench.run_facts import run_report
 from backdoorbench.stages import stream, timed
 from backdoorbench.validation import reactivation_budgets, validate_config
-from backdoorbench.victim import obtain_victim, remove_checkpoints
+from backdoorbench.victim import exported_training_set, obtain_victim, remove_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -94,30 +95,35 @@ class DefenseStage:
 
 def defend(cfg: DictConfig, defense: Defense | None, excluded: str | None, attack: Attack, data: ImageDataset, trainer,
            model: Normalized, poisoned, attacked: dict[str, Any], adversarial: dict, artifacts: dict[str, Any],
-           timings: dict[str, float]) -> DefenseStage:
+           timings: dict[str, float], exported=None) -> DefenseStage:
     """The defense on the attacked model, scored here as every defense is (CA/ASR/RA, DER, detection,
     PGD), or, where the threat models exclude the pair (`excluded`), not run at all. The defense's
-    artifacts join `artifacts`."""
+    artifacts join `artifacts`. `exported`: the poisoned set a training-controlled attack handed
+    over (victim.exported_training_set), given to a split-only defense in place of the clean split,
+    and retrained on with the plain trainer, as a defender given a dataset would."""
     if defense is None:
         return DefenseStage(info={"name": "none"})
     if excluded is not None:  # decided before any defense work: nothing is run
         log.info("defense %s does not apply to %s: %s", defense.name, attack.name, excluded)
         return DefenseStage(info={**defense.describe(), "applicable": False, "not_applicable": excluded})
     seed = cfg.seed
+    given = poisoned if exported is None else exported  # the training set the defender holds
+    altered = torch.cat([given.indices, given.cover])
     if defense.needs_clean_data or defense.clean_fraction > 0:
-        subset = clean_subset_indices(len(data.train), poisoned.indices, defense.clean_fraction, stream(seed, "clean_subset"))
+        subset = clean_subset_indices(len(data.train), altered, defense.clean_fraction, stream(seed, "clean_subset"))
     else:  # data-free defenses (CLP) run with no clean sample at all
         subset = torch.zeros(0, dtype=torch.long)
+    # on an exported set the poison is in the data: retraining is the plain trainer's, not the attacker's step
+    retrain = attack.train_victim if exported is None else partial(Attack.train_victim, attack)
 
     def train_victim(net, wrap_step=None, train=None):
-        attack.train_victim(trainer, net, poisoned.split if train is None else train,
-                            stream(seed, "defense_train"), wrap_step=wrap_step)
+        retrain(trainer, net, given.split if train is None else train, stream(seed, "defense_train"), wrap_step=wrap_step)
 
     ctx = DefenseContext(
         model=model,
-        poisoned_train=poisoned.split,
-        poisoned_indices=poisoned.indices,
-        clean_subset=poisoned.split.subset(subset),
+        poisoned_train=given.split,
+        poisoned_indices=given.indices,
+        clean_subset=given.split.subset(subset),
         trainer=trainer,
         num_classes=data.num_classes,
         generator=stream(seed, "defense"),
@@ -145,6 +151,9 @@ def defend(cfg: DictConfig, defense: Defense | None, excluded: str | None, attac
         if benign is not None:
             benign["ca_drop"] = attacked["clean_acc"] - defended["clean_acc"]
     info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)), "extras": outcome.extras}
+    if exported is not None:
+        info["exported_set"] = {"n_poisoned": int(len(exported.indices)), "n_cover": int(len(exported.cover)),
+                                "poisoned_indices_sha256": exported.indices_sha256}
     return DefenseStage(info=info, defended=defended, der=defense_effectiveness_rating(attacked, defended),
                         detection=outcome.detection, benign=benign, cost=outcome.cost, repaired=outcome.model,
                         victim_attack=victim_attack)
@@ -201,8 +210,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         logger.log_images("clean_vs_poisoned", examples)
     artifacts = example_artifacts(model, examples, trainer) if examples is not None else {}  # figures' data
 
+    exported = None
+    if defense is not None and excluded is None and defense.reads_exported_set(type(attack)):
+        with timed(timings, "export"):  # before the defense: retraining moves a learned trigger
+            exported = exported_training_set(attack, data.train, victim_trainer, seed)
     stage = defend(cfg, defense, excluded, attack, data, trainer, model, poisoned, attacked, adversarial, artifacts,
-                   timings)
+                   timings, exported)
     reactivation = None
     if cfg.eval.reactivation.enabled:
         with timed(timings, "reactivation"):

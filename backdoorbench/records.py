@@ -165,7 +165,11 @@ def validate_record(data: Any) -> None:
     if benign is not None:
         if not isinstance(benign, dict):
             raise RecordError("benign must be an object or null")
-        _check_fraction("benign.false_positive", benign.get("false_positive"))
+        if benign.get("false_positive") is None and "false_positive" in benign:  # unmeasurable: the reason says why
+            if not isinstance(benign.get("reason"), str) or not benign["reason"]:
+                raise RecordError("benign.false_positive is null without a benign.reason saying why")
+        else:
+            _check_fraction("benign.false_positive", benign.get("false_positive"))
     artifacts = data.get("artifacts")
     if artifacts is not None and (not isinstance(artifacts, str) or not artifacts.endswith(".npz")
                                   or Path(artifacts).name != artifacts or artifacts.startswith(".")):
@@ -344,7 +348,7 @@ def _with_defaults(block: dict[str, Any], added: dict[str, Any]) -> dict[str, An
 
 def _filled_config(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """An older record's config and env (new objects where changed) with the keys added since, at the
-    values its code ran with; the retired `trainer.amp` becomes `trainer.precision` (cb37ec1: amp was
+    values its code ran with; `eval.lpips_weights` becomes `eval.lpips`; the retired `trainer.amp` becomes `trainer.precision` (cb37ec1: amp was
     bf16 autocast on CUDA, nothing on the CPU, which is what `auto` does there), and `env.precision`
     the precision it computed in."""
     config, env = dict(data["config"]), dict(data["env"])
@@ -360,6 +364,11 @@ def _filled_config(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         evaluation = config["eval"] = _with_defaults(config["eval"], {"reactivation": _REACTIVATION_OFF})
         if isinstance(evaluation.get("pgd"), dict):
             evaluation["pgd"] = _with_defaults(evaluation["pgd"], _PGD_KEYS_ADDED)
+        if "lpips_weights" in evaluation and "lpips" not in evaluation:
+            # c79dc24 renamed it: a path stays that path; null (torch hub's cache when the file was
+            # there, never a download) is the nearest of the new values, `auto`
+            weights = evaluation.pop("lpips_weights")
+            evaluation["lpips"] = "auto" if weights is None else weights
     return config, env
 
 

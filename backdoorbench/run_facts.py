@@ -13,7 +13,7 @@ from hydra.utils import get_class
 
 from backdoorbench import protocols
 from backdoorbench.config import protocol_name
-from backdoorbench.records import RunRecord, canonical_key, own_setting, resolve_defaults
+from backdoorbench.records import RecordError, RunRecord, canonical_key, own_setting, resolve_defaults
 
 # How a frozen judgement from the classes is marked, as the leaderboard marked it: the record did not ask.
 JUDGED_FROM_CONFIG = " (judged from the record's config: the record predates the check)"
@@ -23,13 +23,19 @@ def run_report(record: RunRecord) -> dict[str, Any]:
     """The `report` block of a record the pipeline has just built (records.REPORT_KEYS)."""
     config = record.config
     attack, defense = record.attack["name"], record.defense["name"]
-    applicable = record.defense.get("applicable") is not False
+    if defense != "none" and not isinstance(record.defense.get("applicable"), bool):
+        raise RecordError(f"record {record.run_id}: defense {defense} does not say whether it applied "
+                          "(defense.applicable must be true or false)")
+    applicable = defense == "none" or record.defense["applicable"]
+    if not applicable and not record.defense.get("not_applicable"):
+        raise RecordError(f"record {record.run_id}: defense {defense} did not apply and gives no reason "
+                          "(defense.not_applicable)")
     keys = list(protocols.SENSITIVITY.get(defense, ())) if defense != "none" else []
     attack_defaults = resolve_defaults(protocols.attack_defaults(attack), config.get("protocol"))
     return {
         "protocol": protocol_name(config),
         "applicable": applicable,
-        "not_applicable": None if applicable else str(record.defense.get("not_applicable") or ""),
+        "not_applicable": None if applicable else str(record.defense["not_applicable"]),
         "defense_at_defaults": protocols.at_defaults(config.get("defense"), defense) if keys else None,
         "attack_at_defaults": protocols.attack_at_defaults(config.get("attack"), attack, config.get("protocol")),
         "sensitivity_keys": keys,

@@ -9,7 +9,8 @@ import torch
 
 # Each random stream gets its own generator so that, e.g., changing the defense never changes
 # which samples were poisoned.
-STREAMS = {"poison": 1, "train": 2, "clean_subset": 3, "defense": 4, "defense_train": 5, "attack": 6, "reactivation": 7}
+STREAMS = {"poison": 1, "train": 2, "clean_subset": 3, "defense": 4, "defense_train": 5, "attack": 6, "reactivation": 7,
+           "export": 8}
 
 
 def stream(seed: int, name: str) -> torch.Generator:

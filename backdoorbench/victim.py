@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from backdoorbench import distributed
-from backdoorbench.attacks.base import Attack
+from backdoorbench.attacks.base import Attack, PoisonedData, TrainingAttack
 from backdoorbench.cache import VictimCache, victim_key
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.errors import DataError
@@ -108,3 +108,12 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
             remove_checkpoints(checkpoints)
         return ({"cache": "miss", "key": key, "path": str(cache.path), "train_s": timings["train"],
                  "poison_s": timings["poison"]}, poisoned, model)
+
+
+def exported_training_set(attack: TrainingAttack, train, trainer, seed: int) -> PoisonedData:
+    """The poisoned training set a training-controlled attack hands over after training its victim
+    (`TrainingAttack.export_poisoned_set`), for the defenses that read only the stored split. Not
+    stored in the victim cache: it is made again from the trained trigger (saved with the victim)
+    and the run's seeded `export` stream, so a cached victim gives the same set. Batches of the
+    victim trainer's size, as the attack trained (BackdoorBench exports with its training batch)."""
+    return attack.export_poisoned_set(train, stream(seed, "export"), trainer.batch_size, trainer.device)

@@ -94,7 +94,7 @@ def test_spectral_removes_ratio_times_the_expected_poison_count_per_class_and_ca
     labels = torch.cat([torch.zeros(330, dtype=torch.long), torch.ones(370, dtype=torch.long)])
     is_poison = torch.cat([a_poison, torch.zeros(370, dtype=torch.bool)])
     # 1.5 * eps * N = 1.5 * 0.04 * 700 = 42 from every class (both hold more than 84)
-    _, flagged = spectral.detect(features, labels, removal_ratio=1.5, expected_poison_rate=0.04)
+    _, flagged = spectral.detect(features, labels, removal="oracle", removal_ratio=1.5, expected_poison_rate=0.04)
     assert int(flagged[:330].sum()) == 42 and int(flagged[330:].sum()) == 42
     assert bool(flagged[is_poison].all())  # every planted sample is among the removed
 
@@ -111,7 +111,7 @@ def test_both_detectors_find_a_half_poisoned_class():
     # poison; the old rule (15% of each class: 60) could catch at most 60 / 190 = 32% of it. Near 50%
     # the two halves sit almost symmetrically about the class mean, so the squared projection
     # ranks the poison only slightly higher (0.59 here; 0.91 at 40% poisoned).
-    scores, flagged = spectral.detect(features, labels, removal_ratio=1.5, expected_poison_rate=0.1)
+    scores, flagged = spectral.detect(features, labels, removal="oracle", removal_ratio=1.5, expected_poison_rate=0.1)
     assert int(flagged[:400].sum()) == 200
     assert float(flagged[is_poison].float().mean()) > 0.5 and auroc(scores, is_poison) > 0.65
     # Activation clustering: the split of class 0 is the poison; the relative-size rule (0.35)
@@ -196,7 +196,7 @@ def test_activation_clustering_finds_the_badnets_samples(poisoned_victim):
 
 def test_spectral_through_the_runner_scores_and_retrains_on_the_kept(poisoned_victim):
     model, attack, poisoned, is_poison = poisoned_victim
-    defense = SpectralSignatures(expected_poison_rate=0.2)
+    defense = SpectralSignatures(removal="oracle", expected_poison_rate=0.2)
     ctx = context(model, poisoned, poisoned.split.subset(torch.arange(0)), num_classes=VICTIM_CLASSES)
     outcome = run_defense(defense, ctx, attack, quadrant_data(40, seed=5, num_classes=VICTIM_CLASSES))
     target = poisoned.split.labels == 0
@@ -231,7 +231,7 @@ class PatchDominated(nn.Module):
 def test_superimpose_saturates_and_entropy_is_in_bits():
     x = torch.full((2, 1, 2, 2), 0.7)
     overlays = torch.full((2, 3, 1, 2, 2), 0.5)
-    assert torch.equal(superimpose(x, overlays), torch.ones(2, 3, 1, 2, 2))
+    assert torch.equal(superimpose(x, overlays, saturate=True), torch.ones(2, 3, 1, 2, 2))
     uniform = torch.full((1, 5, 4), 0.25)
     assert mean_entropy(uniform).item() == pytest.approx(2.0)
     assert mean_entropy(F.one_hot(torch.zeros(1, 5, dtype=torch.long), 4).float()).item() == pytest.approx(0.0, abs=1e-6)

@@ -93,7 +93,7 @@ def test_committed_records_upgrade_to_the_judgement_of_todays_code():
     assert len(records) >= 1152 and {r.schema_version for r, _ in records} == {SCHEMA_VERSION}
     mismatched = []
     for record, path in records:
-        today = todays_report(record)
+        today = comparable(record, todays_report(record))
         if {key: record.report[key] for key in today} != today:
             mismatched.append(path.name)
     assert not mismatched, f"{len(mismatched)} records judged otherwise, e.g. {mismatched[:3]}"
@@ -112,7 +112,48 @@ def test_committed_records_upgrade_to_the_judgement_of_todays_code():
             best[facts["canonical_key"]] = max(best.get(facts["canonical_key"], rank), rank)
         return {key: rank[-1] for key, rank in best.items()}
 
-    assert canonical(lambda r: r.report) == canonical(todays_report)
+    assert canonical(lambda r: r.report) == canonical(pinned_report)
+
+
+@functools.cache
+def defaults_changed_since_the_freeze() -> frozenset[str]:
+    """The defenses whose yaml defaults (or swept keys) differ from those frozen for old records: for
+    them an old record's `defense_at_defaults` is the judgement of its own day (the freeze's point:
+    a new default does not move which old row is canonical), which today's yaml no longer gives."""
+    frozen, now = frozen_facts(), current_facts()
+    return frozenset(name for name, defaults in now["defense_defaults"].items()
+                     if frozen["defense_defaults"].get(name) != defaults
+                     or frozen["sensitivity"].get(name) != now["sensitivity"].get(name))
+
+
+@functools.cache
+def threat_model_changed_since_the_freeze() -> frozenset[str]:
+    """The excluded pairs of the freeze that today's classes no longer exclude (the data-level
+    defenses meet WaNet and Input-aware through the set those export), or exclude in other words:
+    an old record of one keeps the verdict and the reason of its day."""
+    frozen, now = frozen_facts()["not_applicable"], current_facts()["not_applicable"]
+    return frozenset(pair for pair, reason in frozen.items() if now.get(pair) != reason)
+
+
+def comparable(record: RunRecord, today: dict) -> dict:
+    """Today's judgement of `record`, less what was judged by a default or a threat model changed
+    since the freeze (the record keeps the judgement of its day there, on purpose)."""
+    drop = set()
+    if record.defense["name"] in defaults_changed_since_the_freeze():
+        drop.add("defense_at_defaults")
+    config = record.config
+    pair = f"{(config.get('defense') or {}).get('_target_', '')}|{record.attack['name']}|" \
+           f"{(config.get('attack') or {}).get('_target_', '')}"
+    if "applicable" not in record.defense and pair in threat_model_changed_since_the_freeze():
+        drop |= {"applicable", "not_applicable"}
+    return {key: value for key, value in today.items() if key not in drop}
+
+
+def pinned_report(record: RunRecord) -> dict:
+    """todays_report, with the record's own judgement where `comparable` leaves today's out."""
+    today = todays_report(record)
+    kept = comparable(record, today)
+    return {key: kept.get(key, record.report[key]) for key in today}
 
 
 def test_a_sample_of_committed_records_upgrades_to_todays_judgement():
@@ -122,7 +163,7 @@ def test_a_sample_of_committed_records_upgrades_to_todays_judgement():
     for path in paths:
         versions.add(json.loads(path.read_text())["schema_version"])
         record = load_record(path)
-        today = todays_report(record)
+        today = comparable(record, todays_report(record))
         assert {key: record.report[key] for key in today} == today, path.name
     assert versions == {1, 2}
 
@@ -153,8 +194,11 @@ def test_a_fresh_runs_record_is_what_the_upgrade_would_make_of_it(tiny_results):
     for name, (record, path) in runs.items():
         written = json.loads(path.read_text())
         assert written["report"] == record.report
+        if record.defense["name"] in defaults_changed_since_the_freeze():
+            continue  # the freeze judges by the defaults of its day (see defaults_changed_since_the_freeze)
         old = {k: v for k, v in written.items() if k != "report"} | {"schema_version": 2}
         assert upgrade(old) == written, name
+    assert any(record.defense["name"] not in defaults_changed_since_the_freeze() for record, _ in runs.values())
     reports = {name: record.report for name, (record, _) in runs.items()}
     assert reports["rate_0.05"]["setting"] == {"attack": {"poison_rate": 0.05}, "defense": {}}
     assert not reports["rate_0.05"]["attack_at_defaults"] and reports["rate_0.1"]["attack_at_defaults"]
@@ -256,3 +300,16 @@ def test_an_older_records_victim_trainer_is_the_schemas_unset_block():
     from backdoorbench.records import _VICTIM_TRAINER_UNSET
 
     assert _VICTIM_TRAINER_UNSET == asdict(VictimTrainerSchema())
+
+
+def test_an_old_records_lpips_weights_becomes_eval_lpips():
+    """c79dc24 renamed `eval.lpips_weights` (a path, or null for torch hub's cache) to `eval.lpips`."""
+    path = COMMITTED / "mnist5k" / "badnets_all2one" / "cba5b0bb92c69280.json"
+    raw = json.loads(path.read_text())
+    assert "lpips_weights" in raw["config"]["eval"] and "lpips" not in raw["config"]["eval"]
+    upgraded = load_record(path).config["eval"]
+    assert "lpips_weights" not in upgraded
+    assert upgraded["lpips"] == (raw["config"]["eval"]["lpips_weights"] or "auto")
+    with_path = copy.deepcopy(raw)
+    with_path["config"]["eval"]["lpips_weights"] = "/weights/alex.pth"
+    assert upgrade(with_path)["config"]["eval"]["lpips"] == "/weights/alex.pth"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -24,6 +24,9 @@ class PoisonedData:
 
     split: Split
     indices: Tensor  # sorted int64 indices into the training split
+    # Samples altered but keeping their label (WaNet's noise mode, Input-aware's cross triggers) in a
+    # training-controlled attack's exported set: not backdoor carriers, so not in `indices`.
+    cover: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     @property
     def indices_sha256(self) -> str:
@@ -236,6 +239,41 @@ class TrainingAttack(Attack):
     ) -> None:
         step = wrap_step(self.training_step) if wrap_step is not None else self.training_step
         trainer.fit(model, train, generator=generator, step=step, desc="victim", checkpoint=checkpoint, companion=self)
+
+    # Whether the attack hands over the poisoned training set it trained on, as BackdoorBench saves
+    # one after WaNet and Input-aware (its `bd_train`) for the defenses that read only the stored
+    # split (ABL, AC, spectral); LIRA and WB save none (`bd_train=None`) and stay out of their reach.
+    exports_poisoned_set: ClassVar[bool] = False
+
+    @torch.no_grad()
+    def export_poisoned_set(self, train: Split, generator: torch.Generator, batch_size: int,
+                            device: torch.device | str = "cpu") -> PoisonedData:
+        """The poisoned training set as the attacker would hand it over after training: one pass of
+        the trained trigger over the training split in batches of `batch_size` (a seeded shuffle, no
+        augmentation), each batch poisoned as a training batch is (`export_batch`). Images are stored
+        as uint8. `indices` are the relabelled trigger samples, `cover` the altered ones that keep
+        their label. Deterministic given the attack's state and `generator`."""
+        if not self.exports_poisoned_set:
+            raise NotImplementedError(f"{self.name} exports no poisoned training set")
+        order = torch.randperm(len(train), generator=generator)
+        images, labels = train.images.clone(), train.labels.clone()
+        poisoned, cover = [], []
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            x = to_float(train.images[rows].to(device))
+            y = train.labels[rows].to(device)
+            out, targets, attack_rows, cover_rows = self.export_batch(x, y, generator)
+            changed = torch.cat([attack_rows, cover_rows]).cpu()
+            images[rows[changed]] = to_uint8(out[changed.to(out.device)].cpu())
+            labels[rows[changed]] = targets[changed.to(targets.device)].cpu()
+            poisoned.append(rows[attack_rows.cpu()])
+            cover.append(rows[cover_rows.cpu()])
+        return PoisonedData(Split(images, labels), torch.cat(poisoned).sort().values, torch.cat(cover).sort().values)
+
+    def export_batch(self, x: Tensor, y: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One exported batch: (images, labels, rows relabelled with the trigger, rows altered with
+        labels kept), the rows drawn from `generator` as a training batch draws them."""
+        raise NotImplementedError
 
     def training_state(self) -> dict[str, Any]:
         """What the training step keeps outside the model (generator weights, its optimizer, the

@@ -83,6 +83,10 @@ class InputAware(TrainingAttack):
     `trainer.epochs` victim epochs after the mask, on per-step gradients). The committed table
     (results/README.md) states the epochs of each row.
 
+    Exported set (for ABL, AC, spectral): as BackdoorBench's attack/inputaware.py saves, one pass of
+    the final generators over the unaugmented training split, batches poisoned as in training (see
+    `export_batch`; seeded rows of a seeded shuffle, BackdoorBench: the first rows in stored order).
+
     Augmentation: the trainer's, on the batch before the triggers are stamped (the official code
     augments in its data loader, so its triggers are made from augmented images too), and in mask
     pre-training; the paper presets set the official crop and rotation (docs/fidelity.md#input-aware).
@@ -90,6 +94,7 @@ class InputAware(TrainingAttack):
 
     name = "input_aware"
     family = "generative"
+    exports_poisoned_set = True
     aliases = ("iad", "ia", "inputaware")
 
     def __init__(
@@ -271,9 +276,21 @@ class InputAware(TrainingAttack):
 
     # --------------------------------------------------------- joint training
 
-    def plan_batch(self, batch_size: int) -> CrossPlan:
-        """Draw this batch's attack rows, cross rows and cross sources (input_aware_nets.plan_cross_batch)."""
-        return nets.plan_cross_batch(batch_size, self.poison_rate, self.cross_rate, self.batch_generator)
+    def plan_batch(self, batch_size: int, generator: torch.Generator | None = None) -> CrossPlan:
+        """This batch's attack rows, cross rows and sources (nets.plan_cross_batch), default `batch_generator`."""
+        generator = self.batch_generator if generator is None else generator
+        return nets.plan_cross_batch(batch_size, self.poison_rate, self.cross_rate, generator)
+
+    @torch.no_grad()
+    def export_batch(self, x: Tensor, y: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The final generators in eval mode: attack rows get their own trigger and the target label,
+        cross rows another image's trigger and keep their label (the cover), as BackdoorBench's export."""
+        self._nets_to(x.device)
+        self.pattern_generator.eval()
+        self.mask_generator.eval()
+        plan = self.plan_batch(len(y), generator)
+        images, labels, _ = self.poison_batch(x, y, plan)
+        return images, labels, plan.attack, plan.cross
 
     def poison_batch(self, x: Tensor, y: Tensor, plan: CrossPlan) -> tuple[Tensor, Tensor, Tensor]:
         """Apply `plan` with the generators in their current mode; returns images, labels and

@@ -84,6 +84,12 @@ class WaNet(TrainingAttack):
     Each batch of B images has int(B * poison_rate) warped rows and int(that * cross_ratio)
     noise-mode rows, floored as in the official train.py.
 
+    Exported set (`export_poisoned_set`, read by ABL, AC and spectral): as BackdoorBench's
+    attack/wanet.py saves after training, one pass over the training split in training-size
+    batches without augmentation, each batch with its floored warped rows relabelled and its
+    noise-mode rows warped with fresh noise, labels kept; the batches are a seeded shuffle and the
+    rows a seeded draw (BackdoorBench: the first rows of each batch in stored order).
+
     Departures from the official code: rows to poison are drawn at random from each batch
     (the official code takes the first rows of a shuffled batch, the same in distribution); the
     augmentation draws its crop for each image (official: a coin with p = 0.8 for the whole
@@ -95,6 +101,7 @@ class WaNet(TrainingAttack):
 
     name = "wanet"
     family = "warping"
+    exports_poisoned_set = True
 
     def __init__(
         self,
@@ -151,14 +158,15 @@ class WaNet(TrainingAttack):
         noisy_grid = (self.grid.to(device) + noise.to(device) / self._pixel_scale().to(device)).clamp(-1, 1)
         return warp(x, noisy_grid).to(x.dtype)
 
-    def plan_batch(self, batch_size: int) -> WarpPlan:
-        """Draw the warped and noise-mode rows of one batch from `batch_generator`."""
+    def plan_batch(self, batch_size: int, generator: torch.Generator | None = None) -> WarpPlan:
+        """Draw the warped and noise-mode rows of one batch from `generator` (default `batch_generator`)."""
+        generator = self.batch_generator if generator is None else generator
         _, height, width = self.image_shape
         # floored, as the official train.py: num_bd = int(bs * pc), num_cross = int(num_bd * cross_ratio)
         n_poisoned = min(int(batch_size * self.poison_rate), batch_size)
         n_noisy = min(int(n_poisoned * self.cross_ratio), batch_size - n_poisoned)
-        order = torch.randperm(batch_size, generator=self.batch_generator)
-        noise = torch.rand(n_noisy, height, width, 2, generator=self.batch_generator) * 2 - 1
+        order = torch.randperm(batch_size, generator=generator)
+        noise = torch.rand(n_noisy, height, width, 2, generator=generator) * 2 - 1
         return WarpPlan(order[:n_poisoned], order[n_poisoned : n_poisoned + n_noisy], noise)
 
     def poison_batch(self, x: Tensor, y: Tensor, plan: WarpPlan) -> tuple[Tensor, Tensor]:
@@ -173,6 +181,13 @@ class WaNet(TrainingAttack):
     def poison_step(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """One un-augmented training batch, poisoned by a fresh plan (the trainer augments it next)."""
         return self.poison_batch(x, y, self.plan_batch(len(y)))
+
+    def export_batch(self, x: Tensor, y: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """As BackdoorBench's export after training (attack/wanet.py): the batch's warped rows
+        relabelled, its noise-mode rows warped with fresh noise and labels kept (the cover)."""
+        plan = self.plan_batch(len(y), generator)
+        images, labels = self.poison_batch(x, y, plan)
+        return images, labels, plan.poisoned, plan.noisy
 
     def training_step(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Poison and score one batch as it is (no augmentation); `train_victim` instead lets the

@@ -10,7 +10,7 @@ from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
-from backdoorbench.train import recipe
+from backdoorbench.train import cross_entropy_step, recipe
 
 
 def lga_step(gamma: float):
@@ -22,6 +22,32 @@ def lga_step(gamma: float):
         logits = model(x)
         loss = F.cross_entropy(logits, y)
         return torch.sign(loss.detach() - gamma) * loss, logits, y
+
+    return step
+
+
+def cutout(x: Tensor, length: int, generator: torch.Generator) -> Tensor:
+    """One hole per image as the official `Cutout(1, length)`: a centre drawn uniformly over the
+    image (rows, then columns), rows and columns [centre - length // 2, centre + length // 2)
+    clipped to the image, set to 0 in every channel. The integer halving makes a length-3 hole
+    2x2 pixels (fewer at the border). Draws on the CPU `generator`; `x` float, (B, C, H, W)."""
+    batch, _, height, width = x.shape
+    rows = torch.randint(height, (batch, 1), generator=generator).to(x.device)
+    cols = torch.randint(width, (batch, 1), generator=generator).to(x.device)
+    half = length // 2
+    r, c = torch.arange(height, device=x.device), torch.arange(width, device=x.device)
+    in_rows = (r >= rows - half) & (r < rows + half)  # (B, H)
+    in_cols = (c >= cols - half) & (c < cols + half)  # (B, W)
+    return x.masked_fill((in_rows[:, :, None] & in_cols[:, None, :])[:, None], 0.0)
+
+
+def cutout_step(length: int, generator: torch.Generator):
+    """Cross-entropy on the batch after `cutout`: the official training on the rest applies it
+    after its crop and flip, as here (the trainer's augmentation comes first)."""
+
+    def step(model: nn.Module, x: Tensor, y: Tensor):
+        logits = model(cutout(x, length, generator))
+        return F.cross_entropy(logits, y), logits, y
 
     return step
 
@@ -60,18 +86,24 @@ class AntiBackdoorLearning(Defense):
     `finetune_epochs`, and ends with `unlearn_epochs` of gradient ascent on the isolated samples.
     Ledger: docs/fidelity.md#abl. Every phase uses the official code's recipe (SGD, momentum 0.9,
     Nesterov, weight decay 1e-4, batch 128): isolation at a constant lr 0.1 without augmentation;
-    training on the rest at lr 0.1, 0.01 from epoch 40, with crop/flip; unlearning at a constant
-    lr 5e-4 without augmentation. Budgets: `official` (default) 10 isolation, 60 training and 5
-    unlearning epochs; `cpu` 5, the trainer's epochs, and 5. The lowest-loss samples are isolated,
-    as the paper states and the official isolation script does (it sorts the losses ascending,
-    `backdoor_isolation.py:37,59`; an earlier note here said descending). Open departures (ledger):
-    the official unlearning loop's first epoch only evaluates (4 ascent epochs to our 5), its
-    training on the rest adds Cutout, its isolation loader does not shuffle. LGA is applied to the batch-mean loss as in the official code (the paper writes it
-    per sample). Threat model: ABL trains on the stored training split, which a training-
-    controlled attack (WaNet, Input-aware, LIRA, WB) leaves clean; against those it is recorded
-    as not applicable (`not_applicable`). Isolation precision needs the true poisoned indices and
-    is not computed here (the runner does not score in-training defenses); only the count and
-    the class histogram of the isolated samples are recorded.
+    training on the rest at lr 0.1, 0.01 from epoch 40, with crop/flip and then Cutout (one hole,
+    `cutout_length` 3, which the official integer halving makes 2x2 px; 0 turns it off);
+    unlearning at a constant lr 5e-4 without augmentation. Budgets: `official` (default) 10
+    isolation, 60 training and 4 unlearning epochs; `cpu` 5, the trainer's epochs, and 4.
+    `unlearn_epochs` counts epochs of gradient ascent: the official loop runs
+    `unlearning_epochs 5`, but its epoch 0 only evaluates (`backdoor_unlearning.py:197-205`), so
+    it ascends 4 times (before, ours ascended 5 times: `unlearn_epochs=5`). The lowest-loss
+    samples are isolated, as the paper states and the official isolation script does (it sorts
+    the losses ascending, `backdoor_isolation.py:37,59`). Open departures (ledger): the
+    official isolation loader does not shuffle; the official training on the rest and unlearning
+    share one optimizer (ours restarts the momentum); flips follow the dataset's protocol. LGA is
+    applied to the batch-mean loss as in the official code (the paper writes it per sample).
+    Threat model: ABL trains on the poisoned training set. A training-controlled attack leaves the
+    stored split clean; WaNet and Input-aware export the poisoned set they trained on (as
+    BackdoorBench saves bd_train), which ABL then trains on; against LIRA and WB, which export
+    none, it is recorded as not applicable (`not_applicable`). Isolation precision needs the true poisoned indices and is not computed
+    here (the runner does not score in-training defenses); only the count and the class
+    histogram of the isolated samples are recorded.
     """
 
     name = "abl"
@@ -81,8 +113,8 @@ class AntiBackdoorLearning(Defense):
     stage = "in_train"
     needs_clean_data = False
     meets_training_controlled_attacks = False
-    BUDGETS = {"official": {"isolation_epochs": 10, "finetune_epochs": 60, "unlearn_epochs": 5},
-               "cpu": {"isolation_epochs": 5, "finetune_epochs": None, "unlearn_epochs": 5}}
+    BUDGETS = {"official": {"isolation_epochs": 10, "finetune_epochs": 60, "unlearn_epochs": 4},
+               "cpu": {"isolation_epochs": 5, "finetune_epochs": None, "unlearn_epochs": 4}}
 
     def __init__(
         self,
@@ -95,6 +127,7 @@ class AntiBackdoorLearning(Defense):
         unlearn_epochs: int | None = None,
         lr: float = 0.1,
         finetune_lr_drop_epoch: int = 40,
+        cutout_length: int = 3,
         unlearn_lr: float = 5e-4,
         weight_decay: float = 1e-4,
         batch_size: int = 128,
@@ -109,6 +142,7 @@ class AntiBackdoorLearning(Defense):
         checks.integer("defense", "unlearn_epochs", unlearn_epochs, 0)
         checks.integer("defense", "finetune_epochs", finetune_epochs, 0, allow_none=True, hint="null = the trainer's")
         checks.integer("defense", "finetune_lr_drop_epoch", finetune_lr_drop_epoch, 0)
+        checks.integer("defense", "cutout_length", cutout_length, 0, hint="0 = no Cutout; the official code uses 3")
         checks.integer("defense", "batch_size", batch_size, 1)
         checks.number("defense", "isolation_ratio", isolation_ratio, 0, 1, low_open=True, high_open=True)
         checks.number("defense", "gamma", gamma, 0)
@@ -122,6 +156,7 @@ class AntiBackdoorLearning(Defense):
         self.unlearn_epochs = unlearn_epochs
         self.lr = float(lr)
         self.finetune_lr_drop_epoch = finetune_lr_drop_epoch
+        self.cutout_length = cutout_length
         self.unlearn_lr = float(unlearn_lr)
         self.weight_decay = float(weight_decay)
         self.batch_size = batch_size
@@ -151,8 +186,12 @@ class AntiBackdoorLearning(Defense):
         if finetune_epochs > 0:
             finetuner = self._recipe(trainer, finetune_epochs, augment=trainer.augment,
                                      boundaries=[self.finetune_lr_drop_epoch], factors=[1.0, 0.1])
+            step = cross_entropy_step
+            if self.cutout_length > 0:  # the holes get a stream of their own, seeded from the defense's
+                holes = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=ctx.generator)))
+                step = cutout_step(self.cutout_length, holes)
             history = finetuner.fit(model, train.subset(torch.nonzero(keep).flatten()), generator=ctx.generator,
-                                    epochs=finetune_epochs, lr=self.lr, desc="abl train")
+                                    epochs=finetune_epochs, lr=self.lr, step=step, desc="abl train")
             extras["finetune_final_loss"] = history[-1]["loss"]
         if self.unlearn_epochs > 0:
             history = self._recipe(trainer, self.unlearn_epochs, augment=False).fit(
@@ -166,4 +205,5 @@ class AntiBackdoorLearning(Defense):
         return {**super().describe(), "budget": self.budget, "isolation_epochs": self.isolation_epochs,
                 "isolation_ratio": self.isolation_ratio, "gamma": self.gamma, "finetune_epochs": self.finetune_epochs,
                 "unlearn_epochs": self.unlearn_epochs, "lr": self.lr, "finetune_lr_drop_epoch": self.finetune_lr_drop_epoch,
+                "cutout_length": self.cutout_length,
                 "unlearn_lr": self.unlearn_lr, "weight_decay": self.weight_decay, "batch_size": self.batch_size}

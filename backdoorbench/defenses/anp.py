@@ -69,12 +69,13 @@ class AdversarialNeuronPruning(Defense):
     minimize alpha * natural loss + (1 - alpha) * perturbed loss; neurons whose mask ends below
     `threshold` (or the lowest `prune_fraction`) have their BN scale set to zero, as the official
     code prunes. Defaults are the official ones: eps 0.4, one signed-gradient perturbation step
-    of size eps, alpha 0.2, mask SGD lr 0.2 with momentum 0.9, 2,000 iterations of batch 128 drawn
-    with replacement and augmented, the model in training mode. Departures: one pruning threshold,
-    0.2 (the official code sweeps thresholds on test data, which a defense never sees); the
-    perturbation is clipped to [-eps, eps] after its step, as the paper states (the official code
-    lets one step leave the box); only BatchNorm2d neurons are perturbed (the architectures here
-    have no BatchNorm1d). The optimization runs in the run's precision
+    of size eps from a uniform start in [-eps, eps], not clipped after (so the perturbation spans
+    [-2 eps, 2 eps]), alpha 0.2, mask SGD lr 0.2 with momentum 0.9, 2,000 iterations of batch 128
+    drawn with replacement and augmented, the model in training mode. `clip_noise=true` clips the
+    perturbation to [-eps, eps] after each step instead, the box the paper states. Departures:
+    one pruning threshold, 0.2 (the official code sweeps thresholds on test data, which a defense
+    never sees); only BatchNorm2d neurons are perturbed (the architectures here have no
+    BatchNorm1d). The optimization runs in the run's precision
     (`trainer.precision`, backdoorbench/precision.py; fp32 on the CPU).
     Ledger: docs/fidelity.md#anp.
     """
@@ -89,6 +90,7 @@ class AdversarialNeuronPruning(Defense):
         *,
         eps: float = 0.4,
         noise_steps: int = 1,
+        clip_noise: bool = False,
         alpha: float = 0.2,
         mask_lr: float = 0.2,
         iterations: int = 2000,
@@ -105,10 +107,13 @@ class AdversarialNeuronPruning(Defense):
         checks.number("defense", "mask_lr", mask_lr, 0, low_open=True)
         for key, value in (("alpha", alpha), ("threshold", threshold), ("prune_fraction", prune_fraction)):
             checks.number("defense", key, value, 0, 1)
+        if not isinstance(clip_noise, bool):
+            raise ConfigError(f"defense.clip_noise={clip_noise!r} is invalid; use true or false")
         if prune_by not in PRUNE_BY:
             raise ConfigError(f"defense.prune_by={prune_by!r} is unknown; choose one of: {', '.join(PRUNE_BY)}")
         self.eps = float(eps)
         self.noise_steps = noise_steps
+        self.clip_noise = clip_noise
         self.alpha = float(alpha)
         self.mask_lr = float(mask_lr)
         self.iterations = iterations
@@ -175,9 +180,10 @@ class AdversarialNeuronPruning(Defense):
                     for p in noises:
                         p.grad = torch.sign(p.grad)
                     noise_optimizer.step()
-                    with torch.no_grad():
-                        for p in noises:
-                            p.clamp_(-self.eps, self.eps)
+                    if self.clip_noise:  # the paper's box; the official code takes the step unclipped
+                        with torch.no_grad():
+                            for p in noises:
+                                p.clamp_(-self.eps, self.eps)
             mask_optimizer.zero_grad(set_to_none=True)
             robust = F.cross_entropy(noisy(x), y) if noise_optimizer is not None else torch.zeros((), device=device)
             perturb(False)
@@ -222,6 +228,7 @@ class AdversarialNeuronPruning(Defense):
         })
 
     def describe(self) -> dict:
-        return {**super().describe(), "eps": self.eps, "noise_steps": self.noise_steps, "alpha": self.alpha,
+        return {**super().describe(), "eps": self.eps, "noise_steps": self.noise_steps,
+                "clip_noise": self.clip_noise, "alpha": self.alpha,
                 "mask_lr": self.mask_lr, "iterations": self.iterations, "batch_size": self.batch_size,
                 "prune_by": self.prune_by, "threshold": self.threshold, "prune_fraction": self.prune_fraction}

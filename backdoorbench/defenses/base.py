@@ -57,8 +57,13 @@ class Defense:
     needs_clean_data: ClassVar[bool] = True
     # False for a defense that works only on the stored training split (a pre-training detector,
     # or ABL training its own model with the plain trainer): a training-controlled attack (WaNet,
-    # Input-aware, LIRA, WB) stores no poison there and poisons inside its own training step, so
-    # such a defense never meets it. Its threat model excludes the attack: see `not_applicable`.
+    # Input-aware, LIRA, WB) stores no poison there and poisons inside its own training step.
+    # Such a defense meets the attack only through the poisoned set the attack exports after
+    # training (`TrainingAttack.exports_poisoned_set`: WaNet and Input-aware, as BackdoorBench
+    # saves their `bd_train`): the pipeline gives it that set as `poisoned_train`, with its
+    # poisoned indices, and retrains on its kept part with the plain trainer. Against an attack
+    # that exports none (LIRA, WB: BackdoorBench's bd_train=None) its threat model excludes the
+    # attack: see `not_applicable`.
     meets_training_controlled_attacks: ClassVar[bool] = True
     # The declaration the registry lists (backdoorbench/registry.py): the kind of repair or detection,
     # the keys (under `defense.`) its sensitivity sweep varies (conf/experiment/sensitivity_<name>.yaml),
@@ -85,11 +90,18 @@ class Defense:
     def excludes(cls, attack_name: str, attack_class: type) -> str | None:
         """`not_applicable` from the classes alone, so that a record made before the pipeline asked
         can be judged from the classes its config names (the leaderboard does)."""
-        if issubclass(attack_class, TrainingAttack) and not cls.meets_training_controlled_attacks:
+        if cls.reads_exported_set(attack_class) and not attack_class.exports_poisoned_set:
             return (f"{attack_name} controls the victim's training and poisons inside its own training step, "
-                    f"leaving the stored training split clean; {cls.name} ({cls.stage.replace('_', '-')}) "
-                    "works on that split only, so it never meets the attack")
+                    f"leaving the stored training split clean and exporting no poisoned set; {cls.name} "
+                    f"({cls.stage.replace('_', '-')}) works on that split only, so it never meets the attack")
         return None
+
+    @classmethod
+    def reads_exported_set(cls, attack_class: type) -> bool:
+        """Whether, against `attack_class`, this defense is given the poisoned set the attack
+        exports in place of the (clean) stored split: a split-only defense against a
+        training-controlled attack."""
+        return issubclass(attack_class, TrainingAttack) and not cls.meets_training_controlled_attacks
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stage": self.stage, "clean_fraction": self.clean_fraction}

@@ -16,6 +16,7 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.models.taps import conv_stage_outputs
 from backdoorbench.progress import track
 
+ACC_DROP_MODES = ("relative", "absolute")
 CURVE_POINTS = 11  # test-set pruning curve for the figure: 0%, 10%, ... of max_prune_ratio (and the chosen k)
 
 
@@ -97,15 +98,20 @@ class FinePruning(Defense):
     Deep Neural Networks", RAID 2018).
 
     Channels of the last convolutional layer are pruned in increasing order of their mean
-    activation on the defender's clean data (backdoor neurons sleep on clean inputs), one at a
-    time until clean accuracy drops by more than `max_acc_drop`; the pruned network is then
-    fine-tuned on the same clean data. Departures: the paper removes the neurons; we mask the
-    output channels of the last conv stage (after its norm, activation and pooling, see
-    `conv_stage_outputs`), which is the same function and keeps the architecture. The paper
-    stops at a predetermined clean-accuracy threshold; ours is an absolute drop of clean-subset
-    accuracy (default 4 points), and at most `max_prune_ratio` of the channels go. The whole
-    curve of clean-subset accuracy vs pruned fraction up to that ratio is recorded (test data never
-    enters the defense; `prune_last_stage` rebuilds any point of it for test-set curves).
+    activation on the defender's clean data (backdoor neurons sleep on clean inputs) until clean
+    accuracy drops too far; the pruned network is then fine-tuned on the same clean data. The paper
+    stops at a predetermined clean-accuracy threshold without fixing it, and the authors' code
+    prunes a fixed count, so the rule is BackdoorBench's (`defense/fp.py`): `prune_step` (1%) of
+    the channels a step, while accuracy stays within `max_acc_drop` (10%) of the unpruned one,
+    relative (`acc_drop_mode=relative`) or in points (`absolute`); `prune_step=0` prunes one
+    channel a step. At most `max_prune_ratio` of the channels go. Departures: the paper removes
+    the neurons and BackdoorBench masks the inputs of the last linear layer; we mask the output
+    channels of the last conv stage (after its norm, activation and pooling, see
+    `conv_stage_outputs`), the same function, architecture kept. BackdoorBench measures test
+    accuracy; ours the clean subset (test data never enters the defense; `prune_last_stage`
+    rebuilds any point of the recorded curve for test-set curves). BackdoorBench's step k masks
+    k - 1 channels and it fine-tunes the first network past the tolerance (its kept network is the
+    same object it goes on pruning); ours masks k and keeps the last network within it.
     Fine-tuning uses the trainer's optimizer at `lr` for `epochs`, as `fine_tuning` does; budgets:
     `official` 100 epochs (BackdoorBench), `cpu` 10. Ledger: docs/fidelity.md#fine-pruning.
     """
@@ -120,7 +126,9 @@ class FinePruning(Defense):
     def __init__(
         self,
         *,
-        max_acc_drop: float = 0.04,
+        max_acc_drop: float = 0.1,
+        acc_drop_mode: str = "relative",
+        prune_step: float = 0.01,
         max_prune_ratio: float = 0.9,
         budget: str = "official",
         epochs: int | None = None,
@@ -130,10 +138,16 @@ class FinePruning(Defense):
         super().__init__(clean_fraction=clean_fraction)
         epochs = self.resolve_budget(budget, epochs=epochs)["epochs"]
         checks.number("defense", "max_acc_drop", max_acc_drop, 0, 1)
+        if acc_drop_mode not in ACC_DROP_MODES:
+            raise ConfigError(f"defense.acc_drop_mode={acc_drop_mode!r} is unknown; choose one of: "
+                              f"{', '.join(ACC_DROP_MODES)}")
+        checks.number("defense", "prune_step", prune_step, 0, 1)
         checks.number("defense", "max_prune_ratio", max_prune_ratio, 0, 1, low_open=True, high_open=True)
         checks.integer("defense", "epochs", epochs, 0)
         checks.number("defense", "lr", lr, 0, low_open=True)
         self.max_acc_drop = float(max_acc_drop)
+        self.acc_drop_mode = acc_drop_mode
+        self.prune_step = float(prune_step)
         self.max_prune_ratio = float(max_prune_ratio)
         self.epochs = epochs
         self.lr = float(lr)
@@ -151,19 +165,17 @@ class FinePruning(Defense):
 
         base_acc = subset_accuracy(trainer, model, clean)
         curve = [[0.0, base_acc]]
-        n_pruned, stopped = 0, False
-        for k in track(range(1, math.floor(self.max_prune_ratio * channels) + 1), "fine_pruning: pruning channels",
-                       unit="channels"):
-            mask[order[k - 1]] = 0.0
+        n_pruned, pruned_acc, stopped = 0, base_acc, False
+        for k in track(self.prune_counts(channels), "fine_pruning: pruning channels", unit="steps"):
+            mask.fill_(1.0)
+            mask[order[:k].to(mask.device)] = 0.0
             acc = subset_accuracy(trainer, model, clean)
             curve.append([k / channels, acc])
-            if base_acc - acc > self.max_acc_drop:
-                stopped = True
+            stopped = stopped or not self.within_tolerance(base_acc, acc)
             if not stopped:
-                n_pruned = k
+                n_pruned, pruned_acc = k, acc
         mask.fill_(1.0)
         mask[order[:n_pruned].to(mask.device)] = 0.0
-        pruned_acc = curve[n_pruned][1]
 
         final_loss = None
         if self.epochs > 0:
@@ -184,6 +196,20 @@ class FinePruning(Defense):
         if final_loss is not None:
             extras["final_loss"] = final_loss
         return DefenseResult(model=model, extras=extras)
+
+    def prune_counts(self, channels: int) -> list[int]:
+        """How many channels each pruning step masks: `prune_step` of them more a step (rounded up,
+        at least one, as BackdoorBench's `once_prune_ratio`), up to `max_prune_ratio` of them."""
+        step = max(1, math.ceil(self.prune_step * channels))
+        return list(range(step, math.floor(self.max_prune_ratio * channels) + 1, step))
+
+    def within_tolerance(self, base_acc: float, acc: float) -> bool:
+        """Whether clean accuracy `acc` after a pruning step is still close enough to `base_acc`:
+        relative, BackdoorBench's `|acc - base| / base < acc_ratio`; absolute, a drop of at most
+        `max_acc_drop` points."""
+        if self.acc_drop_mode == "absolute":
+            return base_acc - acc <= self.max_acc_drop
+        return base_acc > 0 and abs(acc - base_acc) / base_acc < self.max_acc_drop
 
     def test_artifacts(self, ctx: DefenseContext, result: DefenseResult, measure) -> dict[str, np.ndarray]:
         """The pruning curve on the test set, for the fine-pruning figure: CA, ASR and RA of the
@@ -208,5 +234,6 @@ class FinePruning(Defense):
                 "fp_asr": asr, "fp_ra": ra, "fp_chosen_fraction": np.float64(chosen / channels)}
 
     def describe(self) -> dict:
-        return {**super().describe(), "max_acc_drop": self.max_acc_drop, "max_prune_ratio": self.max_prune_ratio,
+        return {**super().describe(), "max_acc_drop": self.max_acc_drop, "acc_drop_mode": self.acc_drop_mode,
+                "prune_step": self.prune_step, "max_prune_ratio": self.max_prune_ratio,
                 "budget": self.budget, "epochs": self.epochs, "lr": self.lr}

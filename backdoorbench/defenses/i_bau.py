@@ -68,9 +68,10 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
     for each of the two steps (50 batches); we take `perturbation_steps` and `unlearn_steps`
     batches per round (default 50 each), cycling over the clean subset, so the budget does not
     shrink with a small clean subset. (2) delta is projected onto the L2 ball of radius
-    `perturbation_norm` (10, in [0, 1] pixel units) after each step, the constraint of the paper's
-    formulation; the official code has this projection commented out, and without it delta grew
-    to norms in the thousands on MNIST. (3) At least one image per batch carries delta (1% of a
+    `perturbation_norm` (10, in [0, 1] pixel units) after each step, the paper's constraint; the
+    official code has this projection commented out (`perturbation_norm=null` runs it so), and
+    without it delta grew to norms in the thousands on MNIST.
+    (3) At least one image per batch carries delta (1% of a
     batch under 100 is none). (4) The official inner map always uses the first clean batch, ours
     the current batch. Everything runs in the run's precision
     (`trainer.precision`, backdoorbench/precision.py; fp32 on the CPU).
@@ -95,7 +96,7 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
         perturbation_steps: int = 50,
         unlearn_steps: int = 50,
         perturbation_decay: float = 1e-3,
-        perturbation_norm: float = 10.0,
+        perturbation_norm: float | None = 10.0,
         outer_portion: float = 0.01,
         clean_fraction: float = 0.05,
     ) -> None:
@@ -104,9 +105,10 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
                            ("hypergrad_iterations", hypergrad_iterations),
                            ("perturbation_steps", perturbation_steps), ("unlearn_steps", unlearn_steps)):
             checks.integer("defense", key, value, 1)
-        for key, value in (("lr", lr), ("inner_lr", inner_lr), ("perturbation_lr", perturbation_lr),
-                           ("perturbation_norm", perturbation_norm)):
+        for key, value in (("lr", lr), ("inner_lr", inner_lr), ("perturbation_lr", perturbation_lr)):
             checks.number("defense", key, value, 0, low_open=True)
+        checks.number("defense", "perturbation_norm", perturbation_norm, 0, low_open=True, allow_none=True,
+                      hint="an L2 radius in [0, 1] pixel units; null: none, as the official code")
         checks.number("defense", "perturbation_decay", perturbation_decay, 0)
         checks.number("defense", "outer_portion", outer_portion, 0, 1, low_open=True)
         self.rounds = rounds
@@ -118,7 +120,7 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
         self.perturbation_steps = perturbation_steps
         self.unlearn_steps = unlearn_steps
         self.perturbation_decay = float(perturbation_decay)
-        self.perturbation_norm = float(perturbation_norm)
+        self.perturbation_norm = None if perturbation_norm is None else float(perturbation_norm)
         self.outer_portion = float(outer_portion)
 
     def universal_perturbation(self, model: nn.Module, batches: list[Tensor]) -> Tensor:
@@ -133,8 +135,9 @@ class ImplicitBackdoorAdversarialUnlearning(Defense):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            with torch.no_grad():  # projection onto the L2 ball of the paper's constraint
-                delta.mul_(min(1.0, self.perturbation_norm / max(float(delta.norm()), 1e-12)))
+            if self.perturbation_norm is not None:  # the paper's L2 ball; the official code has none
+                with torch.no_grad():
+                    delta.mul_(min(1.0, self.perturbation_norm / max(float(delta.norm()), 1e-12)))
         return delta.detach()
 
     def apply(self, ctx: DefenseContext) -> DefenseResult:

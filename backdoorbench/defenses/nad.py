@@ -18,6 +18,8 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.models.taps import conv_stage_outputs
 from backdoorbench.train import recipe
 
+LAYER_RULES = ("official", "backdoorbench")
+
 
 def attention_map(feature_map: Tensor, p: float) -> Tensor:
     """(B, C, H, W) -> (B, H*W): the channel mean of |a|^p, L2-normalized per image."""
@@ -60,16 +62,22 @@ class NeuralAttentionDistillation(Defense):
     student) is then trained on the same subset with cross-entropy plus beta_k times the distance
     between its attention maps and the teacher's (attention = channel mean of |a|^p, L2-normalized
     over positions). Ledger: docs/fidelity.md#nad. As the official code (bboylyg/NAD): betas
-    500/1000/1000 on the outputs of the last three residual groups (WRN-16-1's three groups;
-    for the 4-stage ResNets, layer2-4, as BackdoorBench), p = 2, the teacher frozen in eval mode
-    (running batch-norm statistics) while the student learns, and both phases trained by its
-    recipe: SGD (momentum 0.9, weight decay 1e-4, Nesterov), batch 64, lr 0.1 for 2 epochs then
-    0.01, with crop/flip augmentation; teacher 10 epochs (the README: 5-10), student 20.
-    Per architecture, the distilled layers are the outputs of the last len(betas) conv stages
-    that `conv_stage_outputs` finds, deepest last; a model with fewer stages (mnist_cnn: two)
-    keeps the deepest betas (1000/1000). The record names the layers and betas used.
-    On mnist_cnn the official lr 0.1 collapses the teacher on 200 clean images (see the ledger's
-    measurement); `lr=0.01` keeps it.
+    500/1000/1000 on the outputs of the model's last three residual groups (WRN-16-1's three
+    groups; PreAct-ResNet-18 and ResNet-18: layer2-4), p = 2, the student in training mode
+    (batch statistics) and the teacher frozen in eval mode, both phases trained by its recipe:
+    SGD (momentum 0.9, weight decay 1e-4, Nesterov), batch 64, crop/flip augmentation, `lr` for 2
+    epochs then a fixed 0.01 (its `adjust_learning_rate`); teacher 10 epochs (the README: 5-10),
+    student 20. `layer_rule=backdoorbench` takes BackdoorBench's layers instead (see `layer_names`).
+    A model with fewer stages than betas (mnist_cnn: two) keeps the deepest betas (1000/1000). The
+    record names the layers and betas used.
+
+    Departure: `lr` 0.01, not the official 0.1. The official 0.1 is the lr its victims were trained
+    at (`train_badnet.py`, a constant 0.1); ours train at SGD 0.01 (both protocols), and at ten times
+    the lr a victim was trained at the first epoch diverges (mnist_cnn: teacher loss 2.8 then 17,
+    CA 11%; PreAct-ResNet-18: CA 10%), whatever the batch-norm mode (frozen statistics diverge
+    sooner) and not because of the input normalization (the stem's step rescaled to [0, 1] inputs
+    still collapses; the rest of the net at 0.01 does not). BackdoorBench runs NAD at 0.01 for the
+    same reason. `lr=0.1` is the official schedule (0.1, then 0.01).
     """
 
     name = "nad"
@@ -82,46 +90,60 @@ class NeuralAttentionDistillation(Defense):
         *,
         teacher_epochs: int = 10,
         epochs: int = 20,
-        lr: float = 0.1,
+        lr: float = 0.01,
         lr_drop_epoch: int = 2,
+        lr_after_drop: float = 0.01,
         weight_decay: float = 1e-4,
         batch_size: int = 64,
         betas: Sequence[float] = (500.0, 1000.0, 1000.0),
+        layer_rule: str = "official",
         p: float = 2.0,
         clean_fraction: float = 0.05,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
         for key, value in (("teacher_epochs", teacher_epochs), ("epochs", epochs), ("batch_size", batch_size)):
             checks.integer("defense", key, value, 1)
-        checks.integer("defense", "lr_drop_epoch", lr_drop_epoch, 0, hint="lr x0.1 from this epoch on; the paper: 2")
+        checks.integer("defense", "lr_drop_epoch", lr_drop_epoch, 0, hint="lr_after_drop from this epoch on; the official: 2")
         checks.number("defense", "weight_decay", weight_decay, 0)
-        for key, value in (("lr", lr), ("p", p)):
+        for key, value in (("lr", lr), ("lr_after_drop", lr_after_drop), ("p", p)):
             checks.number("defense", key, value, 0, low_open=True)
         betas = list(betas) if isinstance(betas, Sequence) and not isinstance(betas, str) else None
         if not betas or any(not checks.is_number(b) or b < 0 for b in betas):
             raise ConfigError(
                 f"defense.betas={betas!r} is invalid; use a non-empty list of numbers >= 0, one per layer"
             )
+        if layer_rule not in LAYER_RULES:
+            raise ConfigError(f"defense.layer_rule={layer_rule!r} is unknown; choose one of: {', '.join(LAYER_RULES)}")
+        self.layer_rule = layer_rule
         self.teacher_epochs = teacher_epochs
         self.epochs = epochs
         self.lr = float(lr)
         self.lr_drop_epoch = lr_drop_epoch
+        self.lr_after_drop = float(lr_after_drop)
         self.weight_decay = float(weight_decay)
         self.batch_size = batch_size
         self.betas = [float(b) for b in betas]
         self.p = float(p)
 
     def official_trainer(self, trainer, epochs: int):
-        """The run's trainer with the official code's optimizer, batch size and lr steps."""
-        return recipe(trainer, epochs=epochs, boundaries=[self.lr_drop_epoch], factors=[1.0, 0.1], momentum=0.9,
+        """The run's trainer with the official code's optimizer, batch size and lr steps (`lr`, then
+        the fixed `lr_after_drop` from epoch `lr_drop_epoch` on)."""
+        return recipe(trainer, epochs=epochs, boundaries=[self.lr_drop_epoch],
+                      factors=[1.0, self.lr_after_drop / self.lr], momentum=0.9,
                       weight_decay=self.weight_decay, nesterov=True, batch_size=self.batch_size)
 
     def layer_names(self, model: nn.Module, probe: Tensor) -> tuple[list[str], list[float]]:
-        """The distilled layers and their betas: the last len(betas) conv stages of `model` (see
-        `conv_stage_outputs`), or all of its stages with the deepest betas when it has fewer."""
+        """The distilled layers and their betas, deepest last, by `layer_rule`:
+        `official`: the last len(betas) conv stages of `model` (see `conv_stage_outputs`), as the
+        official code's three residual groups, or all of its stages with the deepest betas when it
+        has fewer; `backdoorbench`: every stage one deeper, as BackdoorBench's `children()[:-k]`
+        slices of PreAct-ResNet-18 (beta_1 on layer3, beta_2 on layer4), the deepest beta on the
+        globally pooled 1x1 map, whose normalized attention is 1 whatever the model, so its loss is
+        0 and it is left out."""
         stages = conv_stage_outputs(model, probe)
-        count = min(len(self.betas), len(stages))
-        return [name for name, _ in stages[len(stages) - count:]], self.betas[len(self.betas) - count:]
+        betas = self.betas if self.layer_rule == "official" else self.betas[:-1]
+        count = min(len(betas), len(stages))
+        return [name for name, _ in stages[len(stages) - count:]], betas[len(betas) - count:]
 
     @torch.no_grad()
     def attention_distance(self, student: nn.Module, teacher: nn.Module, names: list[str], images: Tensor,
@@ -192,5 +214,5 @@ class NeuralAttentionDistillation(Defense):
 
     def describe(self) -> dict:
         return {**super().describe(), "teacher_epochs": self.teacher_epochs, "epochs": self.epochs, "lr": self.lr,
-                "lr_drop_epoch": self.lr_drop_epoch, "weight_decay": self.weight_decay, "batch_size": self.batch_size,
-                "betas": self.betas, "p": self.p}
+                "lr_drop_epoch": self.lr_drop_epoch, "lr_after_drop": self.lr_after_drop, "weight_decay": self.weight_decay, "batch_size": self.batch_size,
+                "betas": self.betas, "layer_rule": self.layer_rule, "p": self.p}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,18 +19,36 @@ from backdoorbench.progress import track
 
 MAD_CONSISTENCY = 1.4826  # makes the MAD a consistent estimator of the std under a normal distribution
 TANH_EPS = 1e-7  # keeps tanh(.) / (2 - eps) + 0.5 strictly inside (0, 1), as the official code does
+MAD_L1 = ("best_mask", "epoch_mean")
 
 
 @dataclass
 class ReversedTrigger:
     mask: Tensor  # (1, 1, H, W) in [0, 1]
     pattern: Tensor  # (1, C, H, W) in [0, 1]
-    l1: float  # L1 norm of the mask (its sum: one value per pixel)
-    success: float  # fraction of clean-subset images the trigger sends to the class (last epoch)
+    l1: float  # L1 norm of the saved mask (its sum: one value per pixel), what the MAD reads
+    success: float  # fraction of the epoch's images the trigger sends to the class (last epoch)
+    epoch_l1: float  # mean mask L1 over the batches of the epoch that saved it, what picks the best mask
 
     def apply(self, x: Tensor) -> Tensor:
         mask, pattern = self.mask.to(x.device, x.dtype), self.pattern.to(x.device, x.dtype)
         return (1 - mask) * x + mask * pattern
+
+
+class ShuffledStream:
+    """Batches of indices from successive shuffles of range(n), the last batch of each pass short,
+    as the official code's Keras `ImageDataGenerator().flow(X, Y, batch_size)` deals them."""
+
+    def __init__(self, n: int, batch_size: int, generator: torch.Generator) -> None:
+        self.n, self.batch_size, self.generator = n, batch_size, generator
+        self.order, self.position = torch.arange(n), n
+
+    def next(self) -> Tensor:
+        if self.position >= self.n:
+            self.order, self.position = torch.randperm(self.n, generator=self.generator), 0
+        batch = self.order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return batch
 
 
 def numpy_median(values: Tensor) -> Tensor:
@@ -71,14 +90,21 @@ class NeuralCleanse(Defense):
     then `init_cost`, raised x`cost_multiplier` after `patience` successful epochs and lowered by
     `cost_multiplier`**1.5 after `patience` failing ones), the best mask = smallest L1 among
     successful epochs, early stop after `early_stop_patience` epochs without a 1% gain.
+    An epoch is `epoch_samples // batch_size` batches (the official 1,000 // 32 = 31, its
+    `MINI_BATCH` steps of the outer loop) dealt from the clean subset reshuffled at each pass, as the
+    official Keras generator deals them; `epoch_samples=null` makes it one pass over the clean
+    subset. The MAD reads the L1 norm of each class's saved best mask, as the official
+    `mad_outlier_detection.py` reads the saved mask images (`mad_l1=epoch_mean`: the epoch-mean L1
+    that picked the mask); the best mask is still picked, and the early stop counted, by the
+    epoch-mean L1, as the official code does.
     Budgets: `official` (default) up to 1,000 optimization epochs per class and 1 unlearning
     epoch, on a clean subset of 10% of the training set (the paper: 10%); `cpu` 50 and 10, the
     cut of the committed CPU tables (pass defense.clean_fraction=0.05 for their clean subset).
-    Ledger: docs/fidelity.md#neural-cleanse. Departures: an epoch is one pass over the
-    defender's clean subset (the official step is one pass over 1,000 samples);
-    `parallel_classes` classes are optimized side by side in one batch (the same optimization,
-    fewer kernel launches); several flagged classes share the stamped 20% in turns. If no class
-    is flagged the model is returned unchanged (extras: unlearned = 0).
+    Ledger: docs/fidelity.md#neural-cleanse. Departures: the official code searches on the test
+    set, ours on the defender's clean subset; it reads the masks back from 8-bit PNG files, we
+    keep them in floats; `parallel_classes` classes are optimized side by side in one batch (the
+    same optimization, fewer kernel launches); several flagged classes share the stamped 20% in
+    turns. If no class is flagged the model is returned unchanged (extras: unlearned = 0).
     """
 
     name = "neural_cleanse"
@@ -93,6 +119,7 @@ class NeuralCleanse(Defense):
         *,
         budget: str = "official",
         epochs: int | None = None,
+        epoch_samples: int | None = 1000,
         batch_size: int = 32,
         lr: float = 0.1,
         init_cost: float = 1e-3,
@@ -102,6 +129,7 @@ class NeuralCleanse(Defense):
         attack_success_threshold: float = 0.99,
         reset_cost_to_zero: bool = True,
         anomaly_threshold: float = 2.0,
+        mad_l1: str = "best_mask",
         unlearn_fraction: float = 0.2,
         unlearn_epochs: int | None = None,
         unlearn_lr: float = 0.01,
@@ -122,9 +150,14 @@ class NeuralCleanse(Defense):
         for key, value in (("attack_success_threshold", attack_success_threshold),
                            ("unlearn_fraction", unlearn_fraction)):
             checks.number("defense", key, value, 0, 1, low_open=True)
+        if epoch_samples is not None:
+            checks.integer("defense", "epoch_samples", epoch_samples, 1)
+        if mad_l1 not in MAD_L1:
+            raise ConfigError(f"defense.mad_l1={mad_l1!r} is unknown; choose one of: {', '.join(MAD_L1)}")
         if not isinstance(reset_cost_to_zero, bool):
             raise ConfigError(f"defense.reset_cost_to_zero={reset_cost_to_zero!r} is invalid; use true or false")
         self.epochs = epochs
+        self.epoch_samples = epoch_samples
         self.batch_size = batch_size
         self.lr = float(lr)
         self.init_cost = float(init_cost)
@@ -134,10 +167,17 @@ class NeuralCleanse(Defense):
         self.attack_success_threshold = float(attack_success_threshold)
         self.reset_cost_to_zero = reset_cost_to_zero
         self.anomaly_threshold = float(anomaly_threshold)
+        self.mad_l1 = mad_l1
         self.unlearn_fraction = float(unlearn_fraction)
         self.unlearn_epochs = unlearn_epochs
         self.unlearn_lr = float(unlearn_lr)
         self.parallel_classes = parallel_classes
+
+    def batches_per_epoch(self, n: int) -> int:
+        """Optimizer steps in one epoch over a clean subset of `n` images."""
+        if self.epoch_samples is None:
+            return math.ceil(n / self.batch_size)
+        return max(1, self.epoch_samples // self.batch_size)
 
     def reverse_engineer(self, model: nn.Module, images: Tensor, targets: list[int],
                          generator: torch.Generator) -> list[ReversedTrigger]:
@@ -167,17 +207,18 @@ class NeuralCleanse(Defense):
         success = [0.0] * count
         active = list(range(count))
         classes = f"class {targets[0]}" if count == 1 else f"classes {targets[0]}-{targets[-1]}"
+        stream = ShuffledStream(len(images), self.batch_size, generator)
+        steps = self.batches_per_epoch(len(images))
         for _ in track(range(self.epochs), f"neural_cleanse: trigger search, {classes}", unit="epochs"):
             if not active:
                 break
             rows = torch.tensor(active, device=device)
             cost_now = torch.tensor([cost[k] for k in active], device=device)
-            order = torch.randperm(len(images), generator=generator).to(device)
             hits = torch.zeros(len(active), device=device)
             l1_sum = torch.zeros(len(active), device=device)
-            batches = 0
-            for start in range(0, len(images), self.batch_size):
-                x = images[order[start : start + self.batch_size]]
+            seen = 0
+            for _ in range(steps):
+                x = images[stream.next().to(device)]
                 mask, pattern = squash(mask_raw[rows]), squash(pattern_raw[rows])  # (A, 1|C, H, W)
                 stamped = (1 - mask[:, None]) * x[None] + mask[:, None] * pattern[:, None]  # (A, B, C, H, W)
                 logits = model(stamped.flatten(0, 1)).view(len(active), len(x), -1)
@@ -190,15 +231,16 @@ class NeuralCleanse(Defense):
                 optimizer.step()
                 hits += (logits.detach().argmax(2) == labels).float().sum(1)
                 l1_sum += l1.detach()
-                batches += 1
-            hits, l1_mean = (hits / len(images)).tolist(), (l1_sum / batches).tolist()
+                seen += len(x)
+            hits, l1_mean = (hits / seen).tolist(), (l1_sum / steps).tolist()
             for row, k in enumerate(list(active)):
                 success[k] = hits[row]
-                if success[k] >= self.attack_success_threshold and (best[k] is None or l1_mean[row] < best[k].l1):
+                if success[k] >= self.attack_success_threshold and (best[k] is None or l1_mean[row] < best[k].epoch_l1):
                     with torch.no_grad():
-                        best[k] = ReversedTrigger(squash(mask_raw[k : k + 1]).cpu(),
-                                                  squash(pattern_raw[k : k + 1]).cpu(), l1_mean[row], success[k])
-                best_l1 = best[k].l1 if best[k] is not None else float("inf")
+                        mask = squash(mask_raw[k : k + 1]).cpu()
+                        best[k] = ReversedTrigger(mask, squash(pattern_raw[k : k + 1]).cpu(), float(mask.sum()),
+                                                  success[k], l1_mean[row])
+                best_l1 = best[k].epoch_l1 if best[k] is not None else float("inf")
                 if best[k] is not None:
                     early_stop[k] = early_stop[k] + 1 if best_l1 >= 0.99 * early_stop_best[k] else 0
                 early_stop_best[k] = min(best_l1, early_stop_best[k])
@@ -223,7 +265,7 @@ class NeuralCleanse(Defense):
             if best[k] is None:  # never reached the success threshold: keep the last trigger, as the official code
                 with torch.no_grad():
                     mask, pattern = squash(mask_raw[k : k + 1]).cpu(), squash(pattern_raw[k : k + 1]).cpu()
-                best[k] = ReversedTrigger(mask, pattern, float(mask.sum()), success[k])
+                best[k] = ReversedTrigger(mask, pattern, float(mask.sum()), success[k], float(mask.sum()))
             found.append(best[k])
         return found
 
@@ -239,12 +281,14 @@ class NeuralCleanse(Defense):
         chunks = [classes[start : start + step] for start in range(0, len(classes), step)]
         triggers = [t for chunk in chunks for t in self.reverse_engineer(scanner, images, chunk, ctx.generator)]
         del scanner
-        norms = torch.tensor([t.l1 for t in triggers], dtype=torch.float64)
+        norms = torch.tensor([t.l1 if self.mad_l1 == "best_mask" else t.epoch_l1 for t in triggers],
+                             dtype=torch.float64)
         index = mad_anomaly_index(norms)
         flagged = flagged_classes(norms, self.anomaly_threshold)
         smallest = int(norms.argmin())
         extras = {
-            "mask_l1": [float(n) for n in norms],
+            "mask_l1": [float(n) for n in norms],  # what the MAD read (`mad_l1`)
+            "mask_l1_epoch_mean": [float(t.epoch_l1) for t in triggers],
             "anomaly_index": [float(a) for a in index],
             "anomaly_index_of_smallest": float(index[smallest]),  # the number the paper reports
             "smallest_norm_class": smallest,
@@ -276,10 +320,11 @@ class NeuralCleanse(Defense):
 
     def describe(self) -> dict:
         return {
-            **super().describe(), "budget": self.budget, "epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr,
+            **super().describe(), "budget": self.budget, "epochs": self.epochs, "epoch_samples": self.epoch_samples,
+            "batch_size": self.batch_size, "lr": self.lr,
             "init_cost": self.init_cost, "cost_multiplier": self.cost_multiplier, "patience": self.patience,
             "early_stop_patience": self.early_stop_patience, "attack_success_threshold": self.attack_success_threshold,
             "reset_cost_to_zero": self.reset_cost_to_zero, "anomaly_threshold": self.anomaly_threshold,
-            "unlearn_fraction": self.unlearn_fraction, "unlearn_epochs": self.unlearn_epochs,
+            "mad_l1": self.mad_l1, "unlearn_fraction": self.unlearn_fraction, "unlearn_epochs": self.unlearn_epochs,
             "unlearn_lr": self.unlearn_lr, "parallel_classes": self.parallel_classes,
         }

@@ -145,11 +145,16 @@ def benign_false_positives(defense: Defense, outcome: DefenseOutcome, n_train: i
     - input detectors (STRIP): the share of clean test inputs rejected at the calibrated threshold;
     - class detectors (Neural Cleanse, whose extras name the `flagged` classes): 1 if any class is
       flagged on the clean model, else 0, with the classes.
-    None for a defense that only repairs (it flags nothing to be wrong about)."""
+    None for a defense that only repairs (it flags nothing to be wrong about). A share that has no
+    denominator (an empty training set) is null with the `reason`, never a 0 that reads as "flagged none"."""
     detection = outcome.detection or {}
     if defense.stage == "pre_train" and "n_flagged" in detection:
+        if not n_train:
+            return {"measure": "share of the clean training set removed", "false_positive": None,
+                    "reason": "the training set is empty: there is no share to measure",
+                    "n_flagged": int(detection["n_flagged"])}
         return {"measure": "share of the clean training set removed",
-                "false_positive": detection["n_flagged"] / n_train if n_train else 0.0,
+                "false_positive": detection["n_flagged"] / n_train,
                 "n_flagged": int(detection["n_flagged"])}
     if defense.stage == "input" and detection.get("fpr") is not None:
         return {"measure": "share of clean test inputs rejected", "false_positive": float(detection["fpr"])}

@@ -15,10 +15,12 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.progress import track
 
 
-def superimpose(x: Tensor, overlays: Tensor) -> Tensor:
-    """Every input plus each of its overlays, saturated to [0, 1]: (B, C, H, W) and (B, N, C, H, W)
-    -> (B, N, C, H, W). Like the paper's `cv2.addWeighted(x, 1, overlay, 1, 0)` on 8-bit images."""
-    return (x.unsqueeze(1) + overlays).clamp_(0.0, 1.0)
+def superimpose(x: Tensor, overlays: Tensor, saturate: bool = False) -> Tensor:
+    """Every input plus each of its overlays: (B, C, H, W) and (B, N, C, H, W) -> (B, N, C, H, W).
+    A plain sum in [0, 2], as the official `cv2.addWeighted(x, 1, overlay, 1, 0)` on float images
+    in [0, 1]; `saturate` clips it to [0, 1], as the same call does on 8-bit images."""
+    summed = x.unsqueeze(1) + overlays
+    return summed.clamp_(0.0, 1.0) if saturate else summed
 
 
 def frr_cutoff(entropies: Tensor, frr: float) -> float:
@@ -51,10 +53,14 @@ class Strip(InputDefense):
     clean images (`frr_cutoff`), where the paper and its code take the quantile of a normal fit:
     clean entropies are skewed (a long tail of confident images), and the normal fit rejected
     3-7% of the calibration images and 3.9-6.3% of clean test images when 1% was asked for
-    (mnist5k records); the normal fit's cutoff and FRR stay in the record. Images are added in [0, 1] pixel space and saturated at 1 (the official notebook
-    adds normalized float images without clipping; saturation is what adding 8-bit images does);
-    calibration uses the clean subset (the paper's held-out clean set), each image superimposed
-    with N others from it, never with itself; N = 100 and FRR = 1% are the paper's defaults.
+    (mnist5k records); the normal fit's cutoff and FRR stay in the record. The sum is clipped at 1
+    (`saturate`, as adding 8-bit images does); the official notebook adds float images in [0, 1]
+    unclipped (`saturate=False`), which on mnist5k BadNets seeds 0-1 let ASR after reach 0.91 and
+    0.39 against 0.003 clipped. Calibration and overlays use the clean subset: held clean training
+    images, as the notebook's are training images (`x_train[26000:28000]`, overlays from
+    `x_train[40000:49999]`); the notebook's may include images the model trained on, ours are the
+    defender's share. Each calibration image is superimposed with N others, never with itself;
+    N = 100 and FRR = 1% are the paper's defaults.
     Calibration and scoring run in the run's precision (`trainer.autocast()`, backdoorbench/
     precision.py), the one the CA and ASR they are compared with are measured in: scored in fp32
     against a bf16 CA, a faint trigger would be judged on more of itself than the model sees.
@@ -65,8 +71,12 @@ class Strip(InputDefense):
     sensitivity = ("frr",)  # swept by conf/experiment/sensitivity_strip.yaml
     needs_clean_data = True
 
-    def __init__(self, *, num_superimpose: int = 100, frr: float = 0.01, batch_size: int = 16, clean_fraction: float = 0.05) -> None:
+    def __init__(self, *, num_superimpose: int = 100, frr: float = 0.01, batch_size: int = 16,
+                 saturate: bool = True, clean_fraction: float = 0.05) -> None:
         super().__init__(clean_fraction=clean_fraction)
+        if not isinstance(saturate, bool):
+            raise ConfigError(f"defense.saturate={saturate!r} is invalid; use true or false")
+        self.saturate = saturate  # clip the superimposed sum to [0, 1] (off: the official plain sum)
         for key, value in (("num_superimpose", num_superimpose), ("batch_size", batch_size)):
             checks.integer("defense", key, value, 1)
         checks.number("defense", "frr", frr, 0, 1, low_open=True, high_open=True, hint="the false rejection rate")
@@ -93,7 +103,7 @@ class Strip(InputDefense):
                 skip = exclude[start : start + self.batch_size].view(-1, 1).cpu()
                 picks = picks + (picks >= skip).long()  # draws from the pool minus the input itself
             overlays = to_float(self._overlays[picks.to(self._overlays.device)].to(chunk.device))
-            blended = superimpose(chunk, overlays).flatten(0, 1)
+            blended = superimpose(chunk, overlays, self.saturate).flatten(0, 1)
             probabilities = model(blended).float().softmax(-1).view(len(chunk), self.num_superimpose, -1)
             out.append(mean_entropy(probabilities).cpu())
         return torch.cat(out) if out else torch.empty(0)
@@ -134,4 +144,5 @@ class Strip(InputDefense):
         })
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "num_superimpose": self.num_superimpose, "frr": self.frr}
+        return {**super().describe(), "num_superimpose": self.num_superimpose, "frr": self.frr,
+                "saturate": self.saturate}

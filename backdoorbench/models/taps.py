@@ -76,3 +76,20 @@ def penultimate_features(model: nn.Module, images: Tensor, device: torch.device,
     out = [model.features(to_float(images[s : s + batch_size].to(device))).float().flatten(1).cpu()
            for s in range(0, len(images), batch_size)]
     return torch.cat(out)
+
+
+@torch.no_grad()
+def last_stage_map_features(model: nn.Module, images: Tensor, device: torch.device, batch_size: int = 1024) -> Tensor:
+    """The feature map of the last conv stage (`conv_stage_outputs`), unpooled and flattened, of uint8
+    images (N, C, H, W) in eval mode, as float32 (N, C' * H' * W') on the CPU: a ResNet's last residual
+    stage before its global pooling (BackdoorBench's `layer4` tap), mnist_cnn's last max-pool."""
+    model = model.to(device).eval()
+    _, module = conv_stage_outputs(model, to_float(images[:1].to(device)))[-1]
+    out: list[Tensor] = []
+    handle = module.register_forward_hook(lambda _m, _i, output: out.append(output.float().flatten(1).cpu()))
+    try:
+        for s in range(0, len(images), batch_size):
+            model(to_float(images[s : s + batch_size].to(device)))
+    finally:
+        handle.remove()
+    return torch.cat(out)
