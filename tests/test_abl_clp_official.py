@@ -19,14 +19,7 @@ from backdoorbench.models.base import ImageClassifier, Normalized
 from backdoorbench.models.mnist_cnn import MnistCNN
 from backdoorbench.models.preact_resnet import PreActResNet18
 from backdoorbench.train import Trainer
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.tiny import one_thread  # noqa: F401  (autouse: one thread for these tiny nets)
 
 
 def context(model: nn.Module, train: Split, num_classes: int = 10, build_model=None, augment: bool = True) -> DefenseContext:

@@ -21,14 +21,7 @@ from backdoorbench.defenses.neural_cleanse import NeuralCleanse, ShuffledStream
 from backdoorbench.errors import ConfigError
 from backdoorbench.models.base import ImageClassifier, Normalized
 from backdoorbench.train import Trainer
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.tiny import one_thread  # noqa: F401  (autouse: one thread for these tiny nets)
 
 
 def context(model: nn.Module, clean: Split, num_classes: int) -> DefenseContext:
