@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +14,6 @@ from typing import Any
 
 import numpy
 import torch
-import torchvision
 
 import backdoorbench
 from backdoorbench import distributed
@@ -31,6 +33,24 @@ def git_commit() -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+
+
+def torchvision_version() -> str:
+    """torchvision's `__version__` (with its local build tag, e.g. +cu130), read without importing it
+    where no module has yet: its import pulls in torch._dynamo, seconds of every run's start-up."""
+    module = sys.modules.get("torchvision")
+    if module is not None:
+        return module.__version__
+    spec = importlib.util.find_spec("torchvision")
+    if spec is not None and spec.origin:
+        try:
+            text = Path(spec.origin).with_name("version.py").read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        if match:
+            return match.group(1)
+    return importlib.metadata.version("torchvision")
 
 
 def _program() -> str:
@@ -59,7 +79,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "backdoorbench": backdoorbench.__version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
+        "torchvision": torchvision_version(),
         "numpy": numpy.__version__,
         **dict(git_commit()),
         "device": name,

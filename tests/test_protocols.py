@@ -451,11 +451,14 @@ def test_every_sweep_preset_varies_the_declared_keys_around_the_default(compose_
 
 def test_the_clean_budget_multirun_sweeps_every_defense_that_uses_clean_data(tmp_path):
     """Hydra's own sweeper and launcher, in process, over experiment=clean_budget: the defense list it
-    expands is the classes' `needs_clean_data` declarations (the resolver), times the five budgets."""
+    expands is the classes' `needs_clean_data` declarations (the resolver). The command line pins the
+    budget axis to one value (a sweeper param given there merges over the preset's), so that Hydra
+    composes one job per defense, not five; the preset's five budgets are read from its params."""
     import backdoorbench.cli  # noqa: F401  (registers the clean_budget_defenses resolver)
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
+    from hydra.types import RunMode
     from hydra.utils import get_object
 
     from backdoorbench import registry
@@ -465,12 +468,17 @@ def test_the_clean_budget_multirun_sweeps_every_defense_that_uses_clean_data(tmp
     with initialize_config_module(config_module="backdoorbench.conf", version_base=None):
         GlobalHydra.instance().hydra.multirun(
             config_name="config", task_function=lambda cfg: jobs.append((cfg.defense._target_, cfg.defense.clean_fraction)),
-            overrides=["experiment=clean_budget", "attack=badnets", f"hydra.sweep.dir={tmp_path}",
+            overrides=["experiment=clean_budget", "attack=badnets", "hydra.sweeper.params={defense.clean_fraction:0.02}",
+                       f"hydra.sweep.dir={tmp_path}",
                        "hydra/job_logging=none", "hydra/hydra_logging=none"])  # `disabled` disables every existing logger
+        preset = GlobalHydra.instance().hydra.compose_config(
+            "config", ["experiment=clean_budget"], run_mode=RunMode.MULTIRUN, with_log_configuration=False)
     swept = sorted((get_object(target).__name__, budget) for target, budget in jobs)
     expected = [registry.method_class("defense", name).__name__ for name in CLEAN_BUDGET_DEFENSES]
-    assert swept == sorted((cls, budget) for cls in expected for budget in (0.005, 0.01, 0.02, 0.05, 0.1))
-    assert len(jobs) == 5 * len(CLEAN_BUDGET_DEFENSES) and "strip" in CLEAN_BUDGET_DEFENSES
+    assert swept == sorted((cls, 0.02) for cls in expected)
+    assert len(jobs) == len(CLEAN_BUDGET_DEFENSES) and "strip" in CLEAN_BUDGET_DEFENSES
+    assert preset.hydra.sweeper.params["defense.clean_fraction"] == "0.005,0.01,0.02,0.05,0.1"
+    assert preset.hydra.sweeper.params["defense"] == ",".join(CLEAN_BUDGET_DEFENSES)
 
 
 def test_the_sweeps_lists_are_the_defense_classes_declarations():

@@ -97,3 +97,18 @@ def test_a_record_says_which_cpu_kernels_computed_it():
         pinned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
                                 check=True)
         assert pinned.stdout.split()[0] == "DEFAULT"
+
+
+def test_the_record_names_torchvisions_full_version_without_importing_it(monkeypatch):
+    # read from its version.py where no module has imported torchvision (its import pulls in
+    # torch._dynamo); the same string, local build tag included, as torchvision.__version__
+    import sys
+
+    import torchvision
+
+    from backdoorbench.provenance import environment, torchvision_version
+
+    assert environment(torch.device("cpu"))["torchvision"] == torchvision.__version__
+    monkeypatch.delitem(sys.modules, "torchvision")
+    assert torchvision_version() == torchvision.__version__
+    assert "torchvision" not in sys.modules
