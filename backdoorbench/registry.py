@@ -134,7 +134,8 @@ def metadata(group: str, name: str) -> dict[str, Any]:
     cls = method_class(group, name)
     info: dict[str, Any] = {"name": name, "aliases": tuple(getattr(cls, "aliases", ()))}
     if group == "attack":
-        info.update(kind=cls.kind, family=cls.family, clean_label=bool(cls.clean_label))
+        info.update(kind=cls.kind, family=cls.family, clean_label=bool(cls.clean_label),
+                    learned_trigger=bool(cls.learned_trigger))
     elif group == "defense" and cls is not None:
         info.update(stage=cls.stage, family=cls.family, needs_clean_data=bool(cls.needs_clean_data),
                     sensitivity=tuple(getattr(cls, "sensitivity", ())),

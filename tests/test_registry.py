@@ -48,6 +48,7 @@ def test_every_attack_class_declares_its_metadata(name):
     assert SNAKE.match(vars(cls).get("family", "")), f"{cls.__name__} declares no family of its own"
     assert cls.kind == ("training_controlled" if issubclass(cls, TrainingAttack) else "data_poisoning")
     assert isinstance(vars(cls).get("aliases", ()), tuple)
+    assert registry.metadata("attack", name)["learned_trigger"] is cls.learned_trigger
 
 
 @pytest.mark.parametrize("name", sorted(registry.classes("defense", builtin_only=True)))

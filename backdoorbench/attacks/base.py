@@ -74,6 +74,10 @@ class Attack:
     kind: ClassVar[str] = "data_poisoning"
     family: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
+    # True where the trigger is optimised against a model before or while the victim trains (a trigger
+    # generator, a surrogate's adversarial perturbation, a patch fitted to chosen neurons): such an
+    # attack trains networks of its own, which is most of its cost.
+    learned_trigger: ClassVar[bool] = False
     # The lowest precision whose rounding leaves the trigger's effect intact: trainer.precision=auto
     # runs the whole run in it on CUDA (backdoorbench/precision.py). bf16 keeps 8 significant bits.
     min_precision: ClassVar[str] = "bf16"

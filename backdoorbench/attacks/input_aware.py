@@ -87,13 +87,13 @@ class InputAware(TrainingAttack):
     the final generators over the unaugmented training split, batches poisoned as in training (see
     `export_batch`; seeded rows of a seeded shuffle, BackdoorBench: the first rows in stored order).
 
-    Augmentation: the trainer's, on the batch before the triggers are stamped (the official code
-    augments in its data loader, so its triggers are made from augmented images too), and in mask
-    pre-training; the paper presets set the official crop and rotation (docs/fidelity.md#input-aware).
-    """
+    Augmentation: the trainer's, on the batch before the triggers are stamped (the official code augments in its
+    loader, so its triggers are made from augmented images too), and in mask pre-training; the paper presets set
+    the official crop and rotation (docs/fidelity.md#input-aware)."""
 
     name = "input_aware"
     family = "generative"
+    learned_trigger = True
     exports_poisoned_set = True
     aliases = ("iad", "ia", "inputaware")
 

@@ -113,6 +113,7 @@ class LabelConsistent(Attack):
 
     name = "label_consistent"
     family = "adversarial"
+    learned_trigger = True
     aliases = ("lc",)
     clean_label = True
 

@@ -104,6 +104,7 @@ class LIRA(TrainingAttack):
 
     name = "lira"
     family = "generative"
+    learned_trigger = True
     min_precision = "fp32"  # a 0.0025-0.005 px trigger is below bf16's rounding (backdoorbench/precision.py)
 
     def __init__(

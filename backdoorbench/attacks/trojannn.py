@@ -79,6 +79,7 @@ class TrojanNN(Attack):
 
     name = "trojannn"
     family = "patch"
+    learned_trigger = True
     aliases = ("trojan", "trojan_nn", "trojannet")
 
     def __init__(

@@ -113,6 +113,7 @@ class WB(LIRA):
 
     name = "wb"
     family = "generative"
+    learned_trigger = True
 
     def __init__(
         self,
