@@ -59,12 +59,16 @@ ATTACKS = registry.list_attacks()  # every attack the registry lists, a new one 
 SLOW = {name for name in ATTACKS if registry.method_class("attack", name).learned_trigger}
 # 64 px costs ~10x 28 px per image: the quick suite keeps there the first attack (in the registry's
 # order) of each kind, dirty-label, clean-label and training-controlled, of those not slow already.
-KINDS = {}
-for _name in ATTACKS:
-    _cls = registry.method_class("attack", _name)
-    if _name not in SLOW and _name != "none":
-        KINDS.setdefault((_cls.kind, _cls.clean_label), _name)
-QUICK_AT_64PX = set(KINDS.values())
+def first_of_each_kind() -> set[str]:
+    first: dict[tuple[str, bool], str] = {}
+    for name in ATTACKS:
+        cls = registry.method_class("attack", name)
+        if name not in SLOW and name != "none":
+            first.setdefault((cls.kind, cls.clean_label), name)
+    return set(first.values())
+
+
+QUICK_AT_64PX = first_of_each_kind()
 CLEAN_LABEL = {name for name in ATTACKS if registry.method_class("attack", name).clean_label}
 DATASETS = ("mnist", "gtsrb", "tiny_imagenet", "cifar10")
 PAPER_SCALE = {"cifar10", "gtsrb", "tiny_imagenet"}

@@ -113,7 +113,6 @@ class WB(LIRA):
 
     name = "wb"
     family = "generative"
-    learned_trigger = True
 
     def __init__(
         self,
