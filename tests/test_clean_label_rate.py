@@ -40,7 +40,8 @@ def test_clean_label_defaults_poison_the_target_class_on_many_class_data(name, n
     attack = instantiate(cfg, num_classes=num_classes, image_shape=shape)
     y = skewed_labels(num_classes, per_class, target_count)
     indices = attack.poison_indices(y, torch.Generator().manual_seed(0))
-    assert len(indices) == target_count  # default 1.0 of the target class, whatever its size
+    share = 0.5 if name == "ctrl" else 1.0  # default: the whole target class (CTRL: half, BackdoorBench's CIFAR-10 count)
+    assert len(indices) == round(share * target_count)  # a share of the target class, whatever its size
     assert bool((y[indices] == 0).all())
     assert attack.describe()["poison_rate_of"] == "target_class"
 

@@ -79,15 +79,10 @@ class CTRL(Attack):
     @torch.no_grad()
     def apply_trigger(self, x: Tensor) -> Tensor:
         """(B, C, H, W) in [0, 1] -> the same images with the frequency bump."""
-        levels = x.to(torch.float64) * 255.0
-        if self.yuv:
-            levels = frequency.rgb_to_yuv_kornia(levels)
-        coefficients = frequency.bump(frequency.block_dct(levels, self.window), self.channels, self.window,
-                                      self.positions, self.magnitude)
-        levels = frequency.block_idct(coefficients, self.window)
-        if self.yuv:
-            levels = frequency.yuv_to_rgb_kornia(levels)
-        return (levels / 255.0).clamp(0.0, 1.0).to(x.dtype)
+        if not self.yuv:
+            return frequency.trigger(x, self.magnitude, self.channels, self.window, self.positions)
+        return frequency.trigger(x, self.magnitude, self.channels, self.window, self.positions,
+                                 frequency.rgb_to_yuv_kornia, frequency.yuv_to_rgb_kornia)
 
     def describe(self) -> dict:
         return {**super().describe(), "magnitude": self.magnitude, "channels": list(self.channels),

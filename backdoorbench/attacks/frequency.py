@@ -131,6 +131,19 @@ def bump(coefficients: Tensor, channels: tuple[int, ...], window: int, positions
     return out
 
 
+def trigger(x: Tensor, magnitude: float, channels: tuple[int, ...], window: int,
+            positions: tuple[tuple[int, int], ...], to_space=None, from_space=None) -> Tensor:
+    """Both official pipelines: (B, C, H, W) in [0, 1] to 0-255, into the colour space (`to_space`,
+    None: none), the bump on every tile's coefficients, back (`from_space`), / 255, clipped to [0, 1]."""
+    levels = x.to(torch.float64) * 255.0
+    if to_space is not None:
+        levels = to_space(levels)
+    levels = block_idct(bump(block_dct(levels, window), channels, window, positions, magnitude), window)
+    if from_space is not None:
+        levels = from_space(levels)
+    return (levels / 255.0).clamp(0.0, 1.0).to(x.dtype)
+
+
 def resolve_geometry(group: str, image_shape: tuple[int, int, int], window: int | None,
                      positions: list | None, channels: list | None, chroma: tuple[int, ...]
                      ) -> tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]:

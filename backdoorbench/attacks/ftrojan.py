@@ -63,15 +63,10 @@ class FTrojan(Attack):
     @torch.no_grad()
     def apply_trigger(self, x: Tensor) -> Tensor:
         """(B, C, H, W) in [0, 1] -> the same images with the frequency bump."""
-        levels = x.to(torch.float64) * 255.0
-        if self.yuv:
-            levels = frequency.rgb_to_ycrcb(levels, self.eight_bit)
-        coefficients = frequency.bump(frequency.block_dct(levels, self.window), self.channels, self.window,
-                                      self.positions, self.magnitude)
-        levels = frequency.block_idct(coefficients, self.window)
-        if self.yuv:
-            levels = frequency.ycrcb_to_rgb(levels, self.eight_bit)
-        return (levels / 255.0).clamp(0.0, 1.0).to(x.dtype)
+        if not self.yuv:
+            return frequency.trigger(x, self.magnitude, self.channels, self.window, self.positions)
+        return frequency.trigger(x, self.magnitude, self.channels, self.window, self.positions,
+                                 lambda v: frequency.rgb_to_ycrcb(v, self.eight_bit), lambda v: frequency.ycrcb_to_rgb(v, self.eight_bit))
 
     def describe(self) -> dict:
         return {**super().describe(), "magnitude": self.magnitude, "channels": list(self.channels),
