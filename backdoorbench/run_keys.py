@@ -22,16 +22,24 @@ def protocol_name(config: Any) -> str:
     return str(protocol.get("name") or "quick")
 
 
+# Attack keys added after records were made, at the value every earlier run had: left out of the
+# run id and the victim key at that value. `attack.signal` (SIG's ramp, added 2026-12-05): sinusoid.
+INERT_ATTACK_DEFAULTS = {"signal": "sinusoid"}
+
+
 def inert_trainer_keys(config: dict[str, Any]) -> tuple[str, ...]:
-    """Trainer keys added later that play no part at their defaults (and an empty `victim_trainer`):
-    left out of the run id and the victim key, so a run that does not use them keeps the id and the
-    cached victim it had before."""
+    """Keys added later that play no part at their defaults: trainer keys, an empty
+    `victim_trainer`, and attack keys at the value runs had before the key existed
+    (`INERT_ATTACK_DEFAULTS`). Left out of the run id and the victim key, so a run that does not use
+    them keeps the id and the cached victim it had before."""
     trainer = config.get("trainer") or {}
     inert = [] if set_victim_keys(config) else ["victim_trainer"]
     if trainer.get("schedule_period") is None:
         inert.append("trainer.schedule_period")
     if trainer.get("schedule") != "plateau":
         inert.append("trainer.plateau_patience")
+    attack = config.get("attack") or {}
+    inert += [f"attack.{key}" for key, value in INERT_ATTACK_DEFAULTS.items() if attack.get(key) == value]
     return tuple(inert)
 
 

@@ -214,6 +214,53 @@ def test_sig_rejects_bad_amplitude():
         SIG(**common(delta=20))
 
 
+def test_sig_ramp_is_the_papers_mnist_signal_before_clipping():
+    """Barni et al.'s MNIST ramp v(i, j) = delta * j / m, j = 1..m: rising along the columns, the same
+    on every row and channel, the whole delta on the last column; clipped to [0, 1] on bright pixels."""
+    attack = SIG(num_classes=10, image_shape=(3, 5, 28), delta=30 / 255, signal="ramp")
+    x = torch.full((2, 3, 5, 28), 0.25)
+    diff = attack.apply_trigger(x) - x
+    expected = torch.tensor([30 / 255 * j / 28 for j in range(1, 29)])
+    assert torch.allclose(diff, expected.expand_as(diff), atol=1e-6)
+    assert torch.all(diff[..., 1:] > diff[..., :-1])  # monotone: no period, unlike the sinusoid
+    bright = attack.apply_trigger(torch.full((1, 3, 5, 28), 0.95))
+    assert bright.max() <= 1.0 and torch.equal(bright[..., -1], torch.ones(1, 3, 5))
+    assert attack.describe()["signal"] == "ramp"
+
+
+def test_sig_rejects_an_unknown_signal():
+    with pytest.raises(ConfigError, match="attack.signal='triangle' is invalid; choose one of: sinusoid, ramp"):
+        SIG(**common(signal="triangle"))
+
+
+def test_sig_paper_mnist_preset_resolves_to_the_papers_setting(compose_cfg):
+    """paper=sig/mnist: Sec. 4.1 and Table I (ramp at 30/255 on 0.3 of digit 3, tested at 80/255; Adam 1e-3,
+    20 epochs, batch 64); `dataset=mnist5k` runs the same setting offline."""
+    cfg = compose_cfg("paper=sig/mnist", "attack=sig", "dataset=mnist5k")
+    attack, trainer = cfg.attack, cfg.trainer
+    assert (attack.signal, attack.target, attack.poison_rate, attack.clean_label) == ("ramp", 3, 0.3, True)
+    assert math.isclose(attack.delta, 30 / 255, rel_tol=1e-8) and math.isclose(attack.test_delta, 80 / 255, rel_tol=1e-8)
+    assert (trainer.epochs, trainer.batch_size, trainer.schedule, trainer.optimizer.lr) == (20, 64, "constant", 0.001)
+    assert trainer.optimizer._target_ == "torch.optim.Adam" and cfg.protocol.name == "paper"
+    assert cfg.dataset._target_.endswith("load_mnist5k")
+    assert compose_cfg("paper=sig/mnist", "attack=sig").dataset._target_.endswith("datasets.mnist.load_mnist")
+
+
+def test_sig_signal_key_at_its_default_keeps_the_run_id(compose_cfg):
+    """attack.signal was added after the SIG records: at `sinusoid` it is left out of the run id and
+    the victim key, so every committed SIG run keeps its id and cached victim; `ramp` is a new run."""
+    from omegaconf import OmegaConf as OC
+
+    from backdoorbench.run_keys import run_config_hash
+
+    config = OC.to_container(compose_cfg("attack=sig"), resolve=True)
+    older = {**config, "attack": {k: v for k, v in config["attack"].items() if k != "signal"}}
+    assert config["attack"]["signal"] == "sinusoid"
+    assert run_config_hash(config) == run_config_hash(older)
+    ramp = {**config, "attack": {**config["attack"], "signal": "ramp"}}
+    assert run_config_hash(ramp) != run_config_hash(config)
+
+
 # --- Label-Consistent ----------------------------------------------------------------------------
 
 def test_lc_pgd_stays_within_eps_and_raises_the_loss():

@@ -111,7 +111,9 @@ class Refool(Attack):
     Departures: the paper picks its reflection images from a large photo set by their attack
     strength on a surrogate (adversarial reflection selection); we use a fixed handful of
     scikit-image samples (offline). The official 560 px blend (above). The model is drawn
-    uniformly from `models` (the official code: ghost with probability 0.49). Target modes:
+    uniformly from `models` (the official code: ghost with probability 0.49). The `quick` protocol
+    on mnist5k draws no alpha_t: it takes BackdoorBench's fixed 0.4, where the official range
+    plants 54% ASR (docs/fidelity.md#refool). Target modes:
     clean-label all2all is not meaningful (labels are kept, so the trigger can't teach y -> y+1)
     and raises a ConfigError; use clean_label=false for all2all.
     """

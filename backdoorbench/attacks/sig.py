@@ -1,4 +1,4 @@
-"""SIG: a horizontal sinusoid added to target-class images whose labels are kept."""
+"""SIG: a column signal (sinusoid or ramp) added to target-class images whose labels are kept."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from backdoorbench.attacks.clean_label import default_poison_rate
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError
 
+SIGNALS = ("sinusoid", "ramp")  # the paper's GTSRB and MNIST signals
+
 
 class SIG(Attack):
     """SIG (Barni, Kallas, Tondi, "A New Backdoor Attack in CNNs by Training Set Corruption
@@ -21,7 +23,10 @@ class SIG(Attack):
     Clean-label: images of the target class get the column-wise signal
     v(i, j) = delta * sin(2 * pi * j * frequency / W), identical on every row and channel, added to
     the pixels and clipped to [0, 1]; labels are untouched, so the network ties the signal to the
-    target class and any test image carrying it is pushed there.
+    target class and any test image carrying it is pushed there. `signal: ramp` gives the paper's
+    MNIST signal instead, v(i, j) = delta * j / W for the columns j = 1..W (Sec. 3, the ramp of its
+    Table I); `paper=sig/mnist` is that experiment (the paper runs no clipping; its Keras images are
+    floats, so a ramp on a white stroke goes above 1: ours clips, as for the sinusoid).
 
     Defaults are BackdoorBench's (SCLBD/BackdoorBench, config/attack/sig/default.yaml and
     utils/bd_img_transform/sig.py): delta = 40/255 in training and at test time, f = 6, and all
@@ -59,6 +64,7 @@ class SIG(Attack):
         *,
         delta: float = 40 / 255,
         frequency: float = 6.0,
+        signal: str = "sinusoid",
         test_delta: float | None = None,
         clean_label: bool = True,
         poison_rate: float | None = None,
@@ -69,6 +75,8 @@ class SIG(Attack):
         checks.number("attack", "delta", delta, 0, 1, low_open=True, hint=pixels)
         checks.number("attack", "test_delta", test_delta, 0, 1, low_open=True, allow_none=True, hint=pixels)
         checks.number("attack", "frequency", frequency, 0, low_open=True, hint="periods per image width")
+        if signal not in SIGNALS:
+            raise ConfigError(f"attack.signal={signal!r} is invalid; choose one of: {', '.join(SIGNALS)}")
         self.clean_label = bool(clean_label)
         if self.clean_label and self.target_mode == "all2all":
             raise ConfigError(
@@ -78,13 +86,22 @@ class SIG(Attack):
         self.delta = float(delta)
         self.test_delta = float(test_delta) if test_delta is not None else self.delta
         self.frequency = float(frequency)
-        self.signal = self.sinusoid()  # (1, 1, W) unit-amplitude row, broadcast over rows and channels
+        self.signal_name = signal
+        # (1, 1, W) unit-amplitude row, broadcast over rows and channels
+        self.signal = self.sinusoid() if signal == "sinusoid" else self.ramp()
 
     def sinusoid(self) -> Tensor:
-        """sin(2 pi j f / W) for the W columns, shape (1, 1, W)."""
+        """sin(2 pi j f / W) for the W columns j = 0..W-1, shape (1, 1, W)."""
         width = self.image_shape[2]
         columns = torch.arange(width, dtype=torch.float64)
         return torch.sin(2 * math.pi * columns * self.frequency / width).float().view(1, 1, width)
+
+    def ramp(self) -> Tensor:
+        """The paper's MNIST ramp j / W for the columns j = 1..W (so the last column gets the whole
+        delta and the first delta / W), shape (1, 1, W)."""
+        width = self.image_shape[2]
+        columns = torch.arange(1, width + 1, dtype=torch.float64)
+        return (columns / width).float().view(1, 1, width)
 
     def add_signal(self, x: Tensor, delta: float) -> Tensor:
         return (x + delta * self.signal.to(x.device, x.dtype)).clamp(0.0, 1.0)
@@ -103,4 +120,5 @@ class SIG(Attack):
         return PoisonedData(Split(images, labels), indices)
 
     def describe(self) -> dict:
-        return {**super().describe(), "delta": self.delta, "test_delta": self.test_delta, "frequency": self.frequency}
+        return {**super().describe(), "signal": self.signal_name, "delta": self.delta, "test_delta": self.test_delta,
+                "frequency": self.frequency}
