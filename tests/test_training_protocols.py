@@ -263,7 +263,9 @@ BACKDOORBENCH_RUNS = {
     # stage I's f with MultiStepLR at 50, 100, 150, 200 of its 250 epochs
     "lira": ("cifar10", {"attack.stage1_epochs": 50, "victim_trainer.epochs": 250, "attack.eps": 0.0025033,
                          "attack.generator_lr": 1e-4, "attack.stage2_init": "stage1", "victim_trainer.schedule": "multistep",
-                         "victim_trainer.milestones": [0.2, 0.4, 0.6, 0.8], "trainer.schedule": "cosine"}),
+                         "victim_trainer.milestones": [0.2, 0.4, 0.6, 0.8], "trainer.schedule": "cosine",
+                         # lira/default.yaml:1-2 and its PostTensorTransform in both stages: crop 5, rotation 10, every batch
+                         "attack.augment.crop_padding": 5, "attack.augment.rotation": 10, "attack.augment.rotation_p": 1.0}),
     # lc trains its victim as BadNets does, on the prototype: the protocol's trainer, nothing of its own
     "label_consistent": ("cifar10", {"trainer.epochs": 100, "trainer.schedule": "cosine", "trainer.schedule_period": 100,
                                      "trainer.milestones": [0.5, 0.75]}),
@@ -301,6 +303,26 @@ def test_wanet_trains_its_victim_with_attack_augment_and_leaves_the_trainer_alon
         assert (trainer.crop_padding, trainer.rotation, trainer.rotation_p) == (2, 0.0, 0.5)  # untouched
     with pytest.raises(ConfigError, match=r"attack.augment.rotation_p=2 is out of range.*the official 0.25"):
         WaNet(num_classes=4, image_shape=(3, 8, 8), augment={"rotation_p": 2})
+
+
+def test_lira_trains_both_stages_with_attack_augment_and_leaves_the_trainer_alone(monkeypatch):
+    """BackdoorBench's lira crops and rotates every batch of stage I and stage II (its PostTensorTransform):
+    `attack.augment` reaches both stages' trainers, and the trainer the defenses use stays as it was."""
+    from backdoorbench.attacks import lira as lira_module
+    from backdoorbench.attacks.lira import LIRA
+
+    monkeypatch.setattr(lira_module, "recipe", lambda trainer, **kwargs: trainer)  # stage I's own SGD: not under test
+    g = torch.Generator().manual_seed(0)
+    split = Split(torch.randint(0, 256, (8, 1, 16, 16), dtype=torch.uint8, generator=g), torch.arange(8) % 4)
+    official = lira_module.OFFICIAL_AUGMENT
+    for augment, expected in ((None, (2, 0.0, 0.5)), (official, (5, 10.0, 1.0)), ({"rotation": 10}, (2, 10.0, 0.5))):
+        seen: list = []
+        trainer = RecordingTrainer(seen)
+        trainer.device = torch.device("cpu")
+        LIRA(num_classes=4, image_shape=(1, 16, 16), generator_width=4, augment=augment).train_victim(
+            trainer, torch.nn.Identity(), split, torch.Generator().manual_seed(0))
+        assert seen == [expected, expected]  # stage I, then stage II
+        assert (trainer.crop_padding, trainer.rotation, trainer.rotation_p) == (2, 0.0, 0.5)  # untouched
 
 
 @pytest.mark.parametrize("attack", ["bpp", "wanet", "input_aware", "lira"])

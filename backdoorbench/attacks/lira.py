@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,14 @@ from torch.func import functional_call
 from backdoorbench import checks, distributed
 from backdoorbench.attacks.base import StepFn, StepWrapper, TrainingAttack
 from backdoorbench.attacks.trigger_nets import build_trigger_generator
+from backdoorbench.attacks.victim_augment import check_augment, victim_trainer
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.train import recipe
+
+# BackdoorBench's lira augmentation, its PostTensorTransform (docs/fidelity.md#lira): crop after 5 px of
+# padding and a rotation within +-10 degrees, on every batch of both stages (no coin).
+OFFICIAL_AUGMENT = {"crop_padding": 5, "rotation": 10.0, "rotation_p": 1.0}
 
 
 def joint_forward(fn, x: Tensor, x_trig: Tensor) -> tuple[Tensor, Tensor]:
@@ -55,6 +61,13 @@ class LIRA(TrainingAttack):
     BackdoorBench fine-tunes stage I's last f: `stage2_init=stage1` (we take the last, not the
     best by test accuracy, which would select on the test set). On mnist5k (quick protocol, seed 0)
     scratch reached CA 97.6% / ASR 99.0%, stage1 97.7% / 99.3%.
+
+    `augment` (crop_padding, rotation, rotation_p; null = the trainer's) replaces the trainer's
+    crop and rotation in both stages, for the victim only (as WaNet's and BPP's): BackdoorBench's
+    lira runs its PostTensorTransform, a 5 px crop and a rotation within +-10 degrees, on every
+    batch of stage I and stage II before the noise is added (`OFFICIAL_AUGMENT`); the backdoorbench
+    protocol sets it. Ours draws the crop and the angle per image, where torchvision draws one
+    for the whole batch.
 
     Generators (`generator`, backdoorbench/attacks/trigger_nets.py): `auto`, the default, builds
     the authors' MNIST autoencoder for 1-channel data and their stride-2 colour autoencoder
@@ -125,9 +138,11 @@ class LIRA(TrainingAttack):
         generator: str = "auto",
         generator_width: int | None = None,
         seed: int = 0,
+        augment: Mapping[str, Any] | None = None,
         **common,
     ) -> None:
         super().__init__(**common)
+        self.augment = check_augment(augment, OFFICIAL_AUGMENT)
         if stage1_classifier not in STAGE1_CLASSIFIER_LOSSES:
             raise ConfigError(f"attack.stage1_classifier={stage1_classifier!r} is unknown; choose one of: "
                               f"{', '.join(STAGE1_CLASSIFIER_LOSSES)}")
@@ -279,6 +294,7 @@ class LIRA(TrainingAttack):
         (stage I's beside it, `<name>.stage1.pt`): a run killed in stage II finds stage I's last
         epoch there, restores the classifier, the trigger and the streams from it, and goes on."""
         wrap: StepWrapper = wrap_step or (lambda step: step)
+        trainer = victim_trainer(trainer, self.augment)  # `attack.augment`: both stages' crop and rotation
         stage1 = None if checkpoint is None else Path(checkpoint).with_suffix(".stage1.pt")
         if not self.trained:
             # `stage2_init=scratch`: stage II starts from the weights stage I started from.
