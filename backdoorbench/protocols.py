@@ -30,12 +30,22 @@ def __getattr__(name: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _group_defaults(group: str, name: str) -> dict[str, Any]:
-    """The values of `conf/<group>/<name>.yaml`; {} if none."""
-    path = resources.files("backdoorbench.conf").joinpath(group, f"{name}.yaml")
+    """The values of `conf/<group>/<name>.yaml` (`name` may name a subfolder: `sig/mnist/sig`); {} if none."""
+    path = resources.files("backdoorbench.conf").joinpath(group, *f"{name}.yaml".split("/"))
     if not path.is_file():
         return {}
     node = OmegaConf.to_container(OmegaConf.create(path.read_text(encoding="utf-8")), resolve=False)
     return node if isinstance(node, dict) else {}
+
+
+def paper_preset(overrides: list[str] | None) -> str | None:
+    """The paper preset a run's command-line overrides chose (`paper=sig/mnist`), or None."""
+    chosen = None
+    for override in overrides or ():
+        key, _, value = str(override).lstrip("+~").partition("=")
+        if key == "paper":
+            chosen = value if value not in ("", "null") else None
+    return chosen
 
 
 def defense_defaults(name: str) -> dict[str, Any]:
@@ -51,18 +61,25 @@ def at_defaults(defense_config: dict[str, Any] | None, name: str) -> bool:
         key in defaults and defense_config.get(key) == defaults[key] for key in keys)
 
 
-def attack_defaults(name: str) -> dict[str, Any]:
-    """The values of `conf/attack/<name>.yaml`; {} if none."""
-    return _group_defaults("attack", name)
+def attack_defaults(name: str, paper: str | None = None) -> dict[str, Any]:
+    """The values of `conf/attack/<name>.yaml`; {} if none. Under a paper preset, with the values its
+    `conf/paper_attack/<paper>/<name>.yaml` sets on top: a preset's own setting is its attack's defaults."""
+    defaults = _group_defaults("attack", name)
+    if paper and defaults:
+        preset = {key: value for key, value in _group_defaults("paper_attack", f"{paper}/{name}").items()
+                  if key != "defaults"}
+        defaults = {**defaults, **preset}
+    return defaults
 
 
 def attack_at_defaults(attack_config: dict[str, Any] | None, name: str,
-                       protocol: dict[str, Any] | None = None) -> bool:
+                       protocol: dict[str, Any] | None = None, paper: str | None = None) -> bool:
     """Whether a record's `config.attack` holds the default of every key of `conf/attack/<name>.yaml`
     it has (the target mode aside: both modes are protocol settings); a key the record lacks (an older
     record) counts as default. A default the protocol sets (`${oc.select:protocol.methods...}`) is
-    resolved against the record's `config.protocol` (its fallback where the record names none)."""
-    defaults = attack_defaults(name)
+    resolved against the record's `config.protocol` (its fallback where the record names none). Under
+    a paper preset (`paper`) the preset's attack values are the defaults."""
+    defaults = attack_defaults(name, paper)
     if attack_config is None or not defaults:
         return False
     defaults = OmegaConf.to_container(

@@ -31,13 +31,14 @@ def run_report(record: RunRecord) -> dict[str, Any]:
         raise RecordError(f"record {record.run_id}: defense {defense} did not apply and gives no reason "
                           "(defense.not_applicable)")
     keys = list(protocols.SENSITIVITY.get(defense, ())) if defense != "none" else []
-    attack_defaults = resolve_defaults(protocols.attack_defaults(attack), config.get("protocol"))
+    paper = protocols.paper_preset(record.overrides)  # a preset's attack values are its defaults
+    attack_defaults = resolve_defaults(protocols.attack_defaults(attack, paper), config.get("protocol"))
     return {
         "protocol": protocol_name(config),
         "applicable": applicable,
         "not_applicable": None if applicable else str(record.defense["not_applicable"]),
         "defense_at_defaults": protocols.at_defaults(config.get("defense"), defense) if keys else None,
-        "attack_at_defaults": protocols.attack_at_defaults(config.get("attack"), attack, config.get("protocol")),
+        "attack_at_defaults": protocols.attack_at_defaults(config.get("attack"), attack, config.get("protocol"), paper),
         "sensitivity_keys": keys,
         "clean_budget": defense in protocols.CLEAN_BUDGET_DEFENSES,
         "canonical_key": canonical_key(record.to_dict()),

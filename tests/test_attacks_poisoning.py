@@ -29,6 +29,7 @@ from backdoorbench.models.base import Normalized
 from backdoorbench.models.mnist_cnn import MnistCNN
 from backdoorbench.train import Trainer
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 CONF = Path(__file__).resolve().parents[1] / "backdoorbench" / "conf" / "attack"
 # every data-poisoning attack (attack=none poisons nothing); built below from its own config unless
 # `build` shrinks it (a surrogate's epochs) or sets what makes its effect visible on 16x16 noise
@@ -244,6 +245,26 @@ def test_sig_paper_mnist_preset_resolves_to_the_papers_setting(compose_cfg):
     assert trainer.optimizer._target_ == "torch.optim.Adam" and cfg.protocol.name == "paper"
     assert cfg.dataset._target_.endswith("load_mnist5k")
     assert compose_cfg("paper=sig/mnist", "attack=sig").dataset._target_.endswith("datasets.mnist.load_mnist")
+
+
+def test_a_paper_presets_own_attack_values_are_its_defaults_in_the_report():
+    """A run of paper=sig/mnist at the preset's values is at its attack's defaults (the board's canonical
+    row of its section) and lists no setting; a value off the preset is the setting (a committed record)."""
+    import dataclasses
+
+    from backdoorbench.records import load_record
+    from backdoorbench.run_facts import run_report
+
+    record = load_record(RESULTS / "runs" / "mnist5k" / "sig_all2one" / "560dc725cbababaf.json")
+    assert "paper=sig/mnist" in record.overrides and record.config["attack"]["poison_rate"] == 0.3
+    report = run_report(record)
+    assert report["attack_at_defaults"] is True and report["setting"]["attack"] == {}
+    config = copy.deepcopy(record.config)
+    config["attack"]["poison_rate"] = 1.0
+    report = run_report(dataclasses.replace(record, config=config))
+    assert report["attack_at_defaults"] is False and report["setting"]["attack"] == {"poison_rate": 1.0}
+    plain = run_report(dataclasses.replace(record, overrides=[o for o in record.overrides if not o.startswith("paper=")]))
+    assert plain["attack_at_defaults"] is False and plain["setting"]["attack"]["signal"] == "ramp"
 
 
 def test_sig_signal_key_at_its_default_keeps_the_run_id(compose_cfg):
