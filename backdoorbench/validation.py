@@ -100,8 +100,7 @@ def _dry_build(cfg: DictConfig) -> None:
         labels = spec.train_labels()
         if labels is not None:
             attack.poison_indices(labels, torch.Generator().manual_seed(0))
-        if cfg.defense is not None:
-            build(cfg.defense)
+        defense = build(cfg.defense) if cfg.defense is not None else None
         if distributed.launched_world_size() <= 1:
             # Under torchrun building a Trainer joins the process group, with the run's device only.
             for node in (cfg.trainer, victim_trainer_node(cfg)) if victim_overrides(cfg) else (cfg.trainer,):
@@ -112,4 +111,6 @@ def _dry_build(cfg: DictConfig) -> None:
             # model.weights are read and checked against the shapes; copying them into meta tensors
             # does nothing, and torch says so once per tensor
             warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
-            build(cfg.model, in_channels=channels, num_classes=spec.num_classes, image_size=height)
+            model = build(cfg.model, in_channels=channels, num_classes=spec.num_classes, image_size=height)
+            if defense is not None:
+                defense.check_model(model)  # e.g. a pruning defense that needs batch norm

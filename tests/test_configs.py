@@ -19,13 +19,15 @@ def options(group: str) -> list[str]:
 
 
 def classes_in(package: str, base: type) -> dict[str, type]:
-    """name -> class for every concrete subclass of `base` defined in the package's modules."""
+    """name -> class for every concrete subclass of `base` defined in the package's modules: one that
+    names itself (a shared base such as defenses.pre_activation's declares no `name` of its own)."""
     found = {}
     pkg = importlib.import_module(package)
     for info in pkgutil.iter_modules(pkg.__path__):
         module = importlib.import_module(f"{package}.{info.name}")
         for _, obj in inspect.getmembers(module, inspect.isclass):
-            if issubclass(obj, base) and obj.__module__ == module.__name__ and obj not in (Attack, TrainingAttack, Defense, InputDefense):
+            if (issubclass(obj, base) and obj.__module__ == module.__name__ and "name" in vars(obj)
+                    and obj not in (Attack, TrainingAttack, Defense, InputDefense)):
                 found[obj.name] = obj
     return found
 

@@ -88,6 +88,8 @@ CASES: list[tuple[str, Setup, str]] = [
     ("lira test eps", fixed("attack=lira", "attack.test_eps=1.5"), "attack.test_eps=1.5 is out of range"),
     ("wb eps negative", fixed("attack=wb", "attack.eps=-0.1"), "attack.eps=-0.1 is out of range"),
     ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
+    ("ep bin width 0", fixed("defense=ep", "defense.step=0"), "defense.step=0 is invalid; use a number > 0"),
+    ("bnp without clean data", fixed("defense=bnp", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
     # names
     ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files

@@ -80,6 +80,11 @@ class Defense:
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         raise NotImplementedError
 
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse a model this defense cannot work on (a ConfigError), before any data loads: the
+        preflight calls it with the run's model built on the meta device (its modules and shapes,
+        no weights). Nothing by default."""
+
     def not_applicable(self, attack: Attack) -> str | None:
         """Why this defense's threat model excludes `attack` (one sentence), or None when it applies.
         The pipeline asks before the defense runs; an excluded pair is recorded as `applicable:
