@@ -42,8 +42,8 @@ def _key(value) -> str:
 
 
 @functools.cache
-def todays_attack_at_defaults(attack: str, name: str, protocol: str) -> bool:
-    return protocols.attack_at_defaults(json.loads(attack), name, json.loads(protocol))
+def todays_attack_at_defaults(attack: str, name: str, protocol: str, paper: str | None = None) -> bool:
+    return protocols.attack_at_defaults(json.loads(attack), name, json.loads(protocol), paper)
 
 
 @functools.cache
@@ -77,7 +77,8 @@ def todays_report(record: RunRecord) -> dict:
         "applicable": excluded is None, "not_applicable": excluded,
         "defense_at_defaults": todays_defense_at_defaults(_key(config.get("defense")), defense),
         "attack_at_defaults": todays_attack_at_defaults(_key(config.get("attack")), attack,
-                                                        _key(config.get("protocol"))),
+                                                        _key(config.get("protocol")),
+                                                        protocols.paper_preset(record.overrides)),
         "canonical_key": "|".join(["attacks" if defense == "none" else "defenses", record.dataset["name"],
                                    protocol_name(config), record.model["name"], attack, mode, defense]),
     }
