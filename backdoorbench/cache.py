@@ -34,7 +34,7 @@ from torch import Tensor, nn
 import backdoorbench
 from backdoorbench import distributed
 from backdoorbench.attacks.base import Attack, PoisonedData
-from backdoorbench.config import inert_trainer_keys
+from backdoorbench.config import inert_keys
 from backdoorbench.datasets.base import Split
 from backdoorbench.fileio import atomic_torch_save, torch_load
 
@@ -51,7 +51,7 @@ VICTIM_IGNORED = ("trainer.progress",)
 def victim_key_material(config: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """What the key hashes: the victim-determining config, the device type and the code versions."""
     material = {key: json.loads(json.dumps(config.get(key))) for key in VICTIM_CONFIG_KEYS}
-    for dotted in VICTIM_IGNORED + inert_trainer_keys(config):
+    for dotted in VICTIM_IGNORED + inert_keys(config):
         node = material
         *parents, leaf = dotted.split(".")
         for part in parents:

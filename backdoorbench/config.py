@@ -14,7 +14,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from backdoorbench.run_keys import (NON_RESULT_KEYS, config_hash, inert_trainer_keys, protocol_name,  # noqa: F401
+from backdoorbench.run_keys import (NON_RESULT_KEYS, config_hash, inert_keys, protocol_name,  # noqa: F401
                                     run_config_hash, set_victim_keys)
 
 GROUPS = ("dataset", "model", "attack", "defense", "trainer", "logger", "protocol", "paper", "experiment")

@@ -27,7 +27,7 @@ def protocol_name(config: Any) -> str:
 INERT_ATTACK_DEFAULTS = {"signal": "sinusoid"}
 
 
-def inert_trainer_keys(config: dict[str, Any]) -> tuple[str, ...]:
+def inert_keys(config: dict[str, Any]) -> tuple[str, ...]:
     """Keys added later that play no part at their defaults: trainer keys, an empty
     `victim_trainer`, and attack keys at the value runs had before the key existed
     (`INERT_ATTACK_DEFAULTS`). Left out of the run id and the victim key, so a run that does not use
@@ -62,7 +62,7 @@ def run_config_hash(config: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
     the id it had before the stage existed."""
     reactivation = (config.get("eval") or {}).get("reactivation") or {}
     off = () if reactivation.get("enabled") else ("eval.reactivation",)
-    return config_hash(config, NON_RESULT_KEYS + off + inert_trainer_keys(config) + drop)
+    return config_hash(config, NON_RESULT_KEYS + off + inert_keys(config) + drop)
 
 
 def set_victim_keys(config: dict[str, Any]) -> dict[str, Any]:

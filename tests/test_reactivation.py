@@ -153,13 +153,13 @@ def test_bad_settings_are_one_line_before_any_data(compose_cfg, override, messag
 def test_a_run_without_the_stage_keeps_its_run_id(compose_cfg):
     from omegaconf import OmegaConf
 
-    from backdoorbench.config import NON_RESULT_KEYS, inert_trainer_keys
+    from backdoorbench.config import NON_RESULT_KEYS, inert_keys
     from backdoorbench.config import config_hash, run_config_hash
 
     config = OmegaConf.to_container(compose_cfg(), resolve=True)
     before = {k: v for k, v in config.items()}
     before["eval"] = {k: v for k, v in config["eval"].items() if k != "reactivation"}
-    assert run_config_hash(config) == config_hash(before, NON_RESULT_KEYS + inert_trainer_keys(before))
+    assert run_config_hash(config) == config_hash(before, NON_RESULT_KEYS + inert_keys(before))
     on = OmegaConf.to_container(compose_cfg("eval.reactivation.enabled=true"), resolve=True)
     assert run_config_hash(on) != run_config_hash(config)
 

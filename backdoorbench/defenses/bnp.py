@@ -40,7 +40,7 @@ class BatchNormPruning(PreActivationPruning):
                             "variance: raise defense.clean_fraction (the official 0.01)")
         return one_batch(ctx.clean_subset, self.batch_size, ctx.generator)
 
-    def layer_scores(self, model, bns, inputs):
+    def layer_scores(self, bns, inputs):
         scores = {}
         for name, bn in bns.items():
             x = inputs[name].double()

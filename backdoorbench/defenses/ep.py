@@ -48,7 +48,7 @@ class EntropyPruning(PreActivationPruning):
             raise DataError("defense ep needs at least 2 training images to standardise its features")
         return one_batch(ctx.poisoned_train, self.batch_size, ctx.generator)
 
-    def layer_scores(self, model, bns, inputs):
+    def layer_scores(self, bns, inputs):
         scores = {}
         for name in bns:
             features = inputs[name].amax(dim=(2, 3)).T  # (C, N): each image's largest pre-activation

@@ -14,15 +14,14 @@ from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
 
 
-def batch_norm_inputs(model: nn.Module, images: Tensor, device: torch.device) -> dict[str, Tensor]:
-    """The input of every BatchNorm2d of `model` (its pre-activation), (N, C, H, W) on the CPU in
-    fp32, for one forward pass of `images` (uint8) in eval mode, in `named_modules` order."""
+def batch_norm_inputs(model: nn.Module, bns: dict[str, nn.BatchNorm2d], images: Tensor,
+                      device: torch.device) -> dict[str, Tensor]:
+    """The input of each of `bns` (`batch_norms(model)`: its pre-activation), (N, C, H, W) on the CPU
+    in fp32, for one forward pass of `images` (uint8) through `model` in eval mode."""
     seen: dict[str, Tensor] = {}
-    hooks = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.BatchNorm2d):
-            hooks.append(module.register_forward_hook(
-                lambda mod, inputs, output, name=name: seen.__setitem__(name, inputs[0].detach().float().cpu())))
+    hooks = [bn.register_forward_hook(
+        lambda mod, inputs, output, name=name: seen.__setitem__(name, inputs[0].detach().float().cpu()))
+        for name, bn in bns.items()]
     was_training = model.training
     model.eval()
     try:
@@ -90,6 +89,7 @@ class PreActivationPruning(Defense):
 
     sensitivity = ("u",)
     stage = "post_train"
+    side = "high"  # which tail of a layer's scores is pruned
 
     def __init__(self, *, u: float = 3.0, batch_size: int = 500, clean_fraction: float = 0.0) -> None:
         super().__init__(clean_fraction=clean_fraction)
@@ -100,19 +100,19 @@ class PreActivationPruning(Defense):
         batch_norms(model)
 
     def images(self, ctx: DefenseContext) -> Tensor:
+        """The one batch (uint8) the scores are read from."""
         raise NotImplementedError
 
-    def layer_scores(self, model: nn.Module, bns: dict[str, nn.BatchNorm2d], inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    def layer_scores(self, bns: dict[str, nn.BatchNorm2d], inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A score per channel of each batch norm, from its inputs on that batch (NaN: unscored)."""
         raise NotImplementedError
-
-    side = "high"  # which tail of a layer's scores is pruned
 
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         model = copy.deepcopy(ctx.model).to(ctx.trainer.device)
         bns = batch_norms(model)
         images = self.images(ctx)
-        inputs = batch_norm_inputs(model, images, torch.device(ctx.trainer.device))
-        scores = self.layer_scores(model, bns, inputs)
+        inputs = batch_norm_inputs(model, bns, images, torch.device(ctx.trainer.device))
+        scores = self.layer_scores(bns, inputs)
         pruned: dict[str, list[int]] = {}
         with torch.no_grad():
             for name, bn in bns.items():
