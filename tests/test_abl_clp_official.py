@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from backdoorbench.datasets.base import Split
+import backdoorbench.defenses.abl as abl_module
 from backdoorbench.defenses.abl import AntiBackdoorLearning, cutout, cutout_step
 from backdoorbench.defenses.base import DefenseContext
 from backdoorbench.defenses.clp import ChannelLipschitzPruning, conv_bn_pairs, registration_pairs
@@ -96,6 +97,56 @@ def test_abl_trains_on_the_rest_with_cutout_and_unlearns_without_it():
     assert len(zeros["abl train"]) == 48 and set(zeros["abl train"].tolist()) <= {1, 2, 4}
     assert zeros["abl isolation"].sum() == 0 and zeros["abl unlearn"].sum() == 0
     assert len(result.extras["unlearn_lr_per_epoch"]) == 4
+
+
+def test_abl_isolates_in_the_stored_order_and_unlearns_with_the_training_optimizer():
+    # The official isolation loader has shuffle=False (data_loader.py); backdoor_unlearning.py makes one
+    # SGD for training on the rest and for unlearning, so the ascent starts with the training's momentum.
+    made, calls = [], []
+    original_fit, original_sgd = Trainer.fit, abl_module.sgd
+
+    def spy(self, model, split, **kwargs):
+        before = len(model.seen)
+        optimizer = self.optimizer([p for p in model.parameters() if p.requires_grad])
+        momentum = [optimizer.state[p].get("momentum_buffer") for p in model.parameters()]
+        momentum = [None if m is None else m.clone() for m in momentum]
+        history = original_fit(self, model, split, **kwargs)
+        calls.append((kwargs["desc"], model.seen[before:], momentum, history))
+        return history
+
+    def record_sgd(*args, **kwargs):
+        made.append(original_sgd(*args, **kwargs))
+        return made[-1]
+
+    images = torch.arange(64, dtype=torch.uint8)[:, None, None, None].expand(64, 3, 8, 8).contiguous()
+    train = Split(images, torch.arange(64) % 2)
+    Trainer.fit, abl_module.sgd = spy, record_sgd
+    try:
+        for shuffle, share in ((False, True), (True, False)):
+            calls.clear()
+            torch.manual_seed(0)
+            AntiBackdoorLearning(isolation_epochs=2, finetune_epochs=1, isolation_ratio=0.25, batch_size=16,
+                                 cutout_length=0, isolation_shuffle=shuffle, share_optimizer=share).apply(
+                context(nn.Identity(), train, num_classes=2, build_model=Recorder, augment=False))
+            phases = {name: (seen, momentum, history) for name, seen, momentum, history in calls}
+            order = torch.cat([batch[:, 0, 0, 0] for batch in phases["abl isolation"][0]]) * 255
+            in_order = torch.equal(order.round().long(), torch.arange(64).repeat(2))
+            assert in_order is not shuffle
+            momentum = phases["abl unlearn"][1]
+            if share:  # the ascent starts from the training's momentum buffers, at its own lr
+                assert len(made) == 1 and all(m is not None and m.abs().sum() > 0 for m in momentum)
+                assert [row["lr"] for row in phases["abl unlearn"][2]] == [5e-4] * 4
+                assert phases["abl train"][2][0]["lr"] == 0.1
+            else:
+                assert len(made) == 1 and all(m is None for m in momentum)
+    finally:
+        Trainer.fit, abl_module.sgd = original_fit, original_sgd
+
+
+def test_abl_order_and_optimizer_switches_are_booleans():
+    for key in ("isolation_shuffle", "share_optimizer"):
+        with pytest.raises(ConfigError, match=f"defense.{key}='yes' is invalid; use true or false"):
+            AntiBackdoorLearning(**{key: "yes"})
 
 
 def test_cutout_step_is_cross_entropy_on_the_cut_batch():

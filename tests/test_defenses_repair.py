@@ -596,7 +596,9 @@ def test_abl_phases_follow_the_official_recipe(backdoor):
     original = Trainer.fit
 
     def spy(self, model, split, **kwargs):
-        seen.append((kwargs["desc"], self.augment, self.batch_size, self.optimizer.keywords, kwargs["lr"]))
+        made = self.optimizer([p for p in model.parameters() if p.requires_grad]).defaults
+        keywords = {key: made[key] for key in ("momentum", "weight_decay", "nesterov", "lr")}
+        seen.append((kwargs["desc"], self.augment, self.batch_size, keywords, kwargs["lr"]))
         return original(self, model, split, **kwargs)
 
     Trainer.fit = spy

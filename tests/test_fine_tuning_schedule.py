@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
 from backdoorbench.datasets.base import Split
 from backdoorbench.defenses.base import DefenseContext
@@ -62,3 +63,18 @@ def test_cosine_period_null_runs_the_cosine_over_the_fine_tunings_epochs() -> No
 def test_a_bad_cosine_period_is_one_line() -> None:
     with pytest.raises(ConfigError, match=r"^defense.cosine_period=0 .*integer >= 1"):
         FineTuning(cosine_period=0)
+
+
+@pytest.mark.parametrize("defense", ["fine_tuning", "fine_pruning"])
+def test_tiny_imagenet_fine_tunes_200_epochs_under_backdoorbench_as_its_tiny_yaml(defense, compose_cfg):
+    # BackdoorBench's config/defense/{ft,fp}/tiny.yaml: 200 epochs; every other dataset's config.yaml: 100.
+    def epochs(*overrides):
+        cfg = compose_cfg(f"defense={defense}", *overrides)
+        instance = instantiate(cfg.defense)
+        return cfg.defense.epochs, instance.epochs
+
+    assert epochs("protocol=backdoorbench", "dataset=tiny_imagenet") == (200, 200)
+    assert epochs("protocol=backdoorbench", "dataset=tiny_imagenet", "defense.budget=cpu") == (None, 10)
+    assert epochs("protocol=backdoorbench", "dataset=cifar10") == (None, 100)
+    assert epochs("protocol=backdoorbench", "dataset=tiny_imagenet", "defense.epochs=7") == (7, 7)
+    assert epochs() == (None, 100)

@@ -11,6 +11,7 @@ from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.errors import ConfigError
 from backdoorbench.train import cross_entropy_step, recipe
+from backdoorbench.train.recipes import sgd
 
 
 def lga_step(gamma: float):
@@ -94,9 +95,12 @@ class AntiBackdoorLearning(Defense):
     `unlearning_epochs 5`, but its epoch 0 only evaluates (`backdoor_unlearning.py:197-205`), so
     it ascends 4 times (before, ours ascended 5 times: `unlearn_epochs=5`). The lowest-loss
     samples are isolated, as the paper states and the official isolation script does (it sorts
-    the losses ascending, `backdoor_isolation.py:37,59`). Open departures (ledger): the
-    official isolation loader does not shuffle; the official training on the rest and unlearning
-    share one optimizer (ours restarts the momentum); flips follow the dataset's protocol. LGA is
+    the losses ascending, `backdoor_isolation.py:37,59`). As the official loaders, isolation reads
+    the training set in its stored order every epoch (`shuffle=False`; `isolation_shuffle=true`
+    draws a new order each epoch, as this class did before), and training on the rest and
+    unlearning share one SGD optimizer, whose momentum carries into the ascent
+    (`share_optimizer=false` gives each phase a fresh one, as before). Flips follow the dataset's
+    protocol. LGA is
     applied to the batch-mean loss as in the official code (the paper writes it per sample).
     Threat model: ABL trains on the poisoned training set. A training-controlled attack leaves the
     stored split clean; WaNet and Input-aware export the poisoned set they trained on (as
@@ -131,6 +135,8 @@ class AntiBackdoorLearning(Defense):
         unlearn_lr: float = 5e-4,
         weight_decay: float = 1e-4,
         batch_size: int = 128,
+        isolation_shuffle: bool = False,
+        share_optimizer: bool = True,
         clean_fraction: float = 0.0,
     ) -> None:
         super().__init__(clean_fraction=clean_fraction)
@@ -160,17 +166,24 @@ class AntiBackdoorLearning(Defense):
         self.unlearn_lr = float(unlearn_lr)
         self.weight_decay = float(weight_decay)
         self.batch_size = batch_size
+        for key, value in (("isolation_shuffle", isolation_shuffle), ("share_optimizer", share_optimizer)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"defense.{key}={value!r} is invalid; use true or false")
+        self.isolation_shuffle = isolation_shuffle
+        self.share_optimizer = share_optimizer
 
-    def _recipe(self, trainer, epochs: int, *, augment: bool, boundaries=(), factors=(1.0,)):
+    def _recipe(self, trainer, epochs: int, *, augment: bool, boundaries=(), factors=(1.0,), shuffle=None,
+                optimizer=None):
         return recipe(trainer, epochs=epochs, boundaries=boundaries, factors=factors, momentum=0.9,
-                      weight_decay=self.weight_decay, nesterov=True, augment=augment, batch_size=self.batch_size)
+                      weight_decay=self.weight_decay, nesterov=True, augment=augment, batch_size=self.batch_size,
+                      shuffle=shuffle, optimizer=optimizer)
 
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         if ctx.build_model is None:
             raise ConfigError("defense abl trains a fresh model and needs ctx.build_model")
         trainer, train = ctx.trainer, ctx.poisoned_train
         model = ctx.build_model()
-        isolation = self._recipe(trainer, self.isolation_epochs, augment=False).fit(
+        isolation = self._recipe(trainer, self.isolation_epochs, augment=False, shuffle=self.isolation_shuffle).fit(
             model, train, generator=ctx.generator, epochs=self.isolation_epochs, lr=self.lr,
             step=lga_step(self.gamma), desc="abl isolation")
         isolated = isolate_lowest_loss(per_sample_loss(model, train, trainer.device, trainer.eval_batch_size),
@@ -183,9 +196,13 @@ class AntiBackdoorLearning(Defense):
             "isolation_final_loss": isolation[-1]["loss"],
         }
         finetune_epochs = trainer.epochs if self.finetune_epochs is None else self.finetune_epochs
+        # One optimizer for training on the rest and unlearning, as the official unlearning script
+        # (`backdoor_unlearning.py`: one SGD for both loops); None = a fresh one per phase.
+        shared = (sgd((p for p in model.parameters() if p.requires_grad), momentum=0.9,
+                      weight_decay=self.weight_decay, nesterov=True) if self.share_optimizer else None)
         if finetune_epochs > 0:
             finetuner = self._recipe(trainer, finetune_epochs, augment=trainer.augment,
-                                     boundaries=[self.finetune_lr_drop_epoch], factors=[1.0, 0.1])
+                                     boundaries=[self.finetune_lr_drop_epoch], factors=[1.0, 0.1], optimizer=shared)
             step = cross_entropy_step
             if self.cutout_length > 0:  # the holes get a stream of their own, seeded from the defense's
                 holes = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=ctx.generator)))
@@ -194,7 +211,7 @@ class AntiBackdoorLearning(Defense):
                                     epochs=finetune_epochs, lr=self.lr, step=step, desc="abl train")
             extras["finetune_final_loss"] = history[-1]["loss"]
         if self.unlearn_epochs > 0:
-            history = self._recipe(trainer, self.unlearn_epochs, augment=False).fit(
+            history = self._recipe(trainer, self.unlearn_epochs, augment=False, optimizer=shared).fit(
                 model, train.subset(isolated), generator=ctx.generator, epochs=self.unlearn_epochs,
                 lr=self.unlearn_lr, step=unlearning_step, desc="abl unlearn")
             extras["unlearn_final_loss"] = history[-1]["loss"]  # -CE on the isolated samples
@@ -205,5 +222,6 @@ class AntiBackdoorLearning(Defense):
         return {**super().describe(), "budget": self.budget, "isolation_epochs": self.isolation_epochs,
                 "isolation_ratio": self.isolation_ratio, "gamma": self.gamma, "finetune_epochs": self.finetune_epochs,
                 "unlearn_epochs": self.unlearn_epochs, "lr": self.lr, "finetune_lr_drop_epoch": self.finetune_lr_drop_epoch,
-                "cutout_length": self.cutout_length,
+                "cutout_length": self.cutout_length, "isolation_shuffle": self.isolation_shuffle,
+                "share_optimizer": self.share_optimizer,
                 "unlearn_lr": self.unlearn_lr, "weight_decay": self.weight_decay, "batch_size": self.batch_size}

@@ -183,6 +183,9 @@ class Trainer:
         self.compile = bool(compile)
         self.progress = progress
         self.on_epoch: EpochCallback | None = None  # default per-epoch callback (the run's logger)
+        # Batches in a new random order every epoch; a recipe that keeps the split's own order (ABL's
+        # isolation loader, `shuffle=False`) turns it off on its copy of the trainer.
+        self.shuffle = True
         distributed.init_from_env(self.device)  # under torchrun: join the process group once
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -294,7 +297,7 @@ class Trainer:
             started = time.perf_counter()
             # All of the epoch's random draws at once and one copy to the device, rather than
             # small host tensors every batch (each would be a synchronising copy on CUDA).
-            order = torch.randperm(len(split), generator=generator)
+            order = torch.randperm(len(split), generator=generator) if self.shuffle else torch.arange(len(split))
             offsets = flips = angles = None
             if self.augment:
                 offsets, flips = draw_augmentation(len(split), generator, self.crop_padding, self.hflip)
