@@ -96,8 +96,10 @@ class AntiBackdoorLearning(Defense):
     it ascends 4 times (before, ours ascended 5 times: `unlearn_epochs=5`). The lowest-loss
     samples are isolated, as the paper states and the official isolation script does (it sorts
     the losses ascending, `backdoor_isolation.py:37,59`). As the official loaders, isolation reads
-    the training set in its stored order every epoch (`shuffle=False`; `isolation_shuffle=true`
-    draws a new order each epoch, as this class did before), and training on the rest and
+    the training set in one fixed order every epoch (`shuffle=False`): a seeded permutation drawn
+    once, since the official CIFAR-10 files are in no class order and a split sorted by class (as
+    mnist5k's) read in its stored order would train class by class; `isolation_shuffle=true` draws
+    a new order each epoch, as this class did before. Training on the rest and
     unlearning share one SGD optimizer, whose momentum carries into the ascent
     (`share_optimizer=false` gives each phase a fresh one, as before). Flips follow the dataset's
     protocol. LGA is
@@ -183,8 +185,12 @@ class AntiBackdoorLearning(Defense):
             raise ConfigError("defense abl trains a fresh model and needs ctx.build_model")
         trainer, train = ctx.trainer, ctx.poisoned_train
         model = ctx.build_model()
+        # The official isolation loader keeps one order (shuffle=False) over CIFAR-10's files, whose order
+        # has no class structure; our splits may be sorted by class (mnist5k's is), which would train
+        # class by class. So the fixed order is one seeded permutation, drawn once.
+        fixed = None if self.isolation_shuffle else torch.randperm(len(train), generator=ctx.generator)
         isolation = self._recipe(trainer, self.isolation_epochs, augment=False, shuffle=self.isolation_shuffle).fit(
-            model, train, generator=ctx.generator, epochs=self.isolation_epochs, lr=self.lr,
+            model, train if fixed is None else train.subset(fixed), generator=ctx.generator, epochs=self.isolation_epochs, lr=self.lr,
             step=lga_step(self.gamma), desc="abl isolation")
         isolated = isolate_lowest_loss(per_sample_loss(model, train, trainer.device, trainer.eval_batch_size),
                                        self.isolation_ratio)
