@@ -90,6 +90,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
     ("ep bin width 0", fixed("defense=ep", "defense.step=0"), "defense.step=0 is invalid; use a number > 0"),
     ("bnp without clean data", fixed("defense=bnp", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
+    ("ft_sam rho 0", fixed("defense=ft_sam", "defense.rho=0"), "defense.rho=0 is invalid; use a number > 0"),
+    ("ft_sam label smoothing 1", fixed("defense=ft_sam", "defense.label_smoothing=1"),
+     "defense.label_smoothing=1 is out of range; use a number in [0, 1)"),
     # names
     ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
