@@ -93,6 +93,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("ft_sam rho 0", fixed("defense=ft_sam", "defense.rho=0"), "defense.rho=0 is invalid; use a number > 0"),
     ("ft_sam label smoothing 1", fixed("defense=ft_sam", "defense.label_smoothing=1"),
      "defense.label_smoothing=1 is out of range; use a number in [0, 1)"),
+    ("npd radius 0", fixed("defense=npd", "defense.eps=0"), "defense.eps=0 is invalid; use a number > 0"),
+    ("npd on a vision transformer", fixed("defense=npd", "model=timm", "model.name=vit_tiny_patch16_224"),
+     "model 'timm_vit_tiny_patch16_224' has no nn.Conv2d after its stem"),
     # names
     ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
