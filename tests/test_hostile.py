@@ -90,6 +90,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
     ("ep bin width 0", fixed("defense=ep", "defense.step=0"), "defense.step=0 is invalid; use a number > 0"),
     ("bnp without clean data", fixed("defense=bnp", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
+    ("sau pgd bound 0", fixed("defense=sau", "defense.eps=0"), "defense.eps=0 is invalid; use a number > 0"),
+    ("sau norm as BackdoorBench spells it", fixed("defense=sau", "defense.norm=L_inf"),
+     "defense.norm='L_inf' is unknown; choose one of: linf, l2, l1"),
     # names
     ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
