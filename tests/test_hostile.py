@@ -96,6 +96,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("npd radius 0", fixed("defense=npd", "defense.eps=0"), "defense.eps=0 is invalid; use a number > 0"),
     ("npd on a vision transformer", fixed("defense=npd", "model=timm", "model.name=vit_tiny_patch16_224"),
      "model 'timm_vit_tiny_patch16_224' has no nn.Conv2d after its stem"),
+    ("sau pgd bound 0", fixed("defense=sau", "defense.eps=0"), "defense.eps=0 is invalid; use a number > 0"),
+    ("sau norm as BackdoorBench spells it", fixed("defense=sau", "defense.norm=L_inf"),
+     "defense.norm='L_inf' is unknown; choose one of: linf, l2, l1"),
     # names
     ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
