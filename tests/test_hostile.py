@@ -94,6 +94,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("ft_sam label smoothing 1", fixed("defense=ft_sam", "defense.label_smoothing=1"),
      "defense.label_smoothing=1 is out of range; use a number in [0, 1)"),
     ("npd radius 0", fixed("defense=npd", "defense.eps=0"), "defense.eps=0 is invalid; use a number > 0"),
+    ("scale_up standardised without clean data", fixed("defense=scale_up", "defense.standardize=true"),
+     "defense.standardize=true standardises with the clean subset's SPC; defense.clean_fraction=0 holds none"),
+    ("scale_up no scales", fixed("defense=scale_up", "defense.scales=[]"), "defense.scales=[] is invalid"),
     ("npd on a vision transformer", fixed("defense=npd", "model=timm", "model.name=vit_tiny_patch16_224"),
      "model 'timm_vit_tiny_patch16_224' has no nn.Conv2d after its stem"),
     # names
