@@ -97,6 +97,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("scale_up standardised without clean data", fixed("defense=scale_up", "defense.standardize=true"),
      "defense.standardize=true standardises with the clean subset's SPC; defense.clean_fraction=0 holds none"),
     ("scale_up no scales", fixed("defense=scale_up", "defense.scales=[]"), "defense.scales=[] is invalid"),
+    ("ibd_psc scale 1", fixed("defense=ibd_psc", "defense.scale=1"), "defense.scale=1 is invalid; use a number > 1"),
     ("npd on a vision transformer", fixed("defense=npd", "model=timm", "model.name=vit_tiny_patch16_224"),
      "model 'timm_vit_tiny_patch16_224' has no nn.Conv2d after its stem"),
     # names
