@@ -90,6 +90,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
     ("ep bin width 0", fixed("defense=ep", "defense.step=0"), "defense.step=0 is invalid; use a number > 0"),
     ("bnp without clean data", fixed("defense=bnp", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
+    ("rnp stop rule above 1", fixed("defense=rnp", "defense.clean_threshold=1.5"), "defense.clean_threshold=1.5 is out of range"),
+    ("rnp milestones decreasing", fixed("defense=rnp", "defense.unlearning_milestones=[20,10]"),
+     "defense.unlearning_milestones=[20, 10] is invalid"),
     # names
     ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
