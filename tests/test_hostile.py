@@ -103,6 +103,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("sau pgd bound 0", fixed("defense=sau", "defense.eps=0"), "defense.eps=0 is invalid; use a number > 0"),
     ("sau norm as BackdoorBench spells it", fixed("defense=sau", "defense.norm=L_inf"),
      "defense.norm='L_inf' is unknown; choose one of: linf, l2, l1"),
+    ("rnp stop rule above 1", fixed("defense=rnp", "defense.clean_threshold=1.5"), "defense.clean_threshold=1.5 is out of range"),
+    ("rnp milestones decreasing", fixed("defense=rnp", "defense.unlearning_milestones=[20,10]"),
+     "defense.unlearning_milestones=[20, 10] is invalid"),
     # names
     ("timm model name", fixed("model=timm", "model.name=no_such_model"), "model.name='no_such_model' is not a timm model"),
     # files
