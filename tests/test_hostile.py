@@ -94,6 +94,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("ft_sam label smoothing 1", fixed("defense=ft_sam", "defense.label_smoothing=1"),
      "defense.label_smoothing=1 is out of range; use a number in [0, 1)"),
     ("npd radius 0", fixed("defense=npd", "defense.eps=0"), "defense.eps=0 is invalid; use a number > 0"),
+    ("spectre alpha 0", fixed("defense=spectre", "defense.alpha=0"), "defense.alpha=0 is invalid; use a number > 0"),
+    ("beatrix order 0", fixed("defense=beatrix", "defense.orders=[0,2]"), "defense.orders=[0, 2] is invalid"),
+    ("beatrix without clean data", fixed("defense=beatrix", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
     ("npd on a vision transformer", fixed("defense=npd", "model=timm", "model.name=vit_tiny_patch16_224"),
      "model 'timm_vit_tiny_patch16_224' has no nn.Conv2d after its stem"),
     # names
