@@ -103,6 +103,9 @@ class EvalSchema:
     stealth_images: int = 1000  # test images, a fixed seeded choice, for PSNR/SSIM/LPIPS/L_inf/L_2
     stealth_seed: int = 0  # fixed, not the run seed, so every run is measured on the same images
     lpips: str = "auto"  # LPIPS's AlexNet weights: auto (torch hub's cache, downloaded once), off, or a file's path
+    # a detector is scored and nothing else: no retraining on the kept samples, no defended CA/ASR
+    # (the record says so); left out of the run id while false
+    detection_only: bool = False
     pgd: PgdSchema = field(default_factory=PgdSchema)
     reactivation: ReactivationSchema = field(default_factory=ReactivationSchema)
 

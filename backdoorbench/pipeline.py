@@ -27,7 +27,7 @@ from backdoorbench.attacks.base import Attack
 from backdoorbench.config import protocol_name, run_config_hash, victim_overrides, victim_trainer_node
 from backdoorbench.datasets.base import ImageDataset
 from backdoorbench.defenses.base import Defense, DefenseContext, clean_subset_indices
-from backdoorbench.defenses.runner import benign_false_positives, run_defense
+from backdoorbench.defenses.runner import DETECTION_ONLY_REASON, benign_false_positives, run_defense
 from backdoorbench.errors import StorageError
 from backdoorbench.factory import build, build_attack, build_model
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
@@ -85,8 +85,9 @@ class DefenseStage:
 
     info: dict[str, Any]  # the record's `defense` block
     defended: dict[str, Any] | None = None  # CA/ASR/RA (and PGD) of what the defense returned
+    defended_reason: str | None = None  # why `defended` is None although the defense ran (detection only)
     der: float | None = None
-    detection: dict[str, Any] | None = None  # TPR/FPR/AUROC of a detector
+    detection: dict[str, Any] | None = None  # TPR/FPR/F1/AUROC of a detector
     benign: dict[str, Any] | None = None  # attack=none: what a detector flags is a false positive
     cost: dict[str, Any] | None = None
     repaired: Normalized | None = None  # the model the defense returned, if any
@@ -129,6 +130,7 @@ def defend(cfg: DictConfig, defense: Defense | None, excluded: str | None, attac
         generator=stream(seed, "defense"),
         build_model=lambda **kwargs: build_model(cfg, data, **kwargs),
         train_victim=train_victim,
+        detection_only=bool(cfg.eval.detection_only),
     )
     # an in-training defense retrains the attack's learned trigger (Input-aware, LIRA, WB) with its
     # model: the reactivation stage retunes the victim with the trigger the victim was trained with
@@ -148,15 +150,18 @@ def defend(cfg: DictConfig, defense: Defense | None, excluded: str | None, attac
     benign = None
     if getattr(attack, "triggerless", False):  # attack=none: whatever a detector flags is a false positive
         benign = benign_false_positives(defense, outcome, len(poisoned.split))
-        if benign is not None:
+        if benign is not None and defended is not None:
             benign["ca_drop"] = attacked["clean_acc"] - defended["clean_acc"]
     info = {**defense.describe(), "applicable": True, "clean_subset_size": int(len(subset)), "extras": outcome.extras}
+    if ctx.detection_only:
+        info["detection_only"] = True
     if exported is not None:
         info["exported_set"] = {"n_poisoned": int(len(exported.indices)), "n_cover": int(len(exported.cover)),
                                 "poisoned_indices_sha256": exported.indices_sha256}
-    return DefenseStage(info=info, defended=defended, der=defense_effectiveness_rating(attacked, defended),
-                        detection=outcome.detection, benign=benign, cost=outcome.cost, repaired=outcome.model,
-                        victim_attack=victim_attack)
+    der = defense_effectiveness_rating(attacked, defended) if defended is not None else None
+    reason = None if defended is not None else DETECTION_ONLY_REASON
+    return DefenseStage(info=info, defended=defended, defended_reason=reason, der=der, detection=outcome.detection,
+                        benign=benign, cost=outcome.cost, repaired=outcome.model, victim_attack=victim_attack)
 
 
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord, Path | None]:
@@ -243,7 +248,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         },
         defense=stage.info,
         seed=seed,
-        metrics={"attacked": attacked, "defended": stage.defended, "der": stage.der, "detection": stage.detection},
+        metrics={"attacked": attacked, "defended": stage.defended, "der": stage.der, "detection": stage.detection,
+                 **({"defended_reason": stage.defended_reason} if stage.defended_reason else {})},
         stealth=stealth,
         victim=victim,
         timings_s=timings,
@@ -359,6 +365,15 @@ def reactivation_lines(block: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def detection_line(name: str, detection: dict[str, Any]) -> str:
+    """`detection (spectral): TPR 92.50%, FPR 3.10%, F1 0.812, AUROC 0.981`; – where a rate is undefined."""
+    def value(key: str, percent: bool) -> str:
+        found = detection.get(key)
+        return "–" if found is None else f"{found:.2%}" if percent else f"{found:.3f}"
+    return (f"detection ({name}): TPR {value('tpr', True)}, FPR {value('fpr', True)}, F1 {value('f1', False)}, "
+            f"AUROC {value('auroc', False)}")
+
+
 def summary_table(record: RunRecord, path: Path) -> str:
     """The short table printed at the end of a run."""
     rows = [("attacked", record.metrics["attacked"])]
@@ -370,6 +385,10 @@ def summary_table(record: RunRecord, path: Path) -> str:
         lines.append(f"{name:<{width}}  {m['clean_acc']:>7.2%}  {m['asr']:>7.2%}  {m['ra']:>7.2%}")
     if record.metrics["der"] is not None:
         lines.append(f"DER {record.metrics['der']:.4f}")
+    if record.metrics.get("detection"):
+        lines.append(detection_line(record.defense["name"], record.metrics["detection"]))
+    if record.metrics.get("defended_reason"):
+        lines.append(f"defense {record.defense['name']}: no defended model, {record.metrics['defended_reason']}")
     if record.defense.get("applicable") is False:
         lines.append(f"defense {record.defense['name']}: not applicable ({record.defense['not_applicable']})")
     lines += reactivation_lines(record.reactivation)

@@ -14,7 +14,9 @@ Versions:
 - 3: `report`, what reporting reads, decided by the run (run_facts.py): its protocol, whether the
   defense met the attack, which values are at their protocol's defaults, the canonical key and the
   method's own setting; the config holds every key the run's code read (`upgrade` gives an older
-  config the keys added since, at the values its code ran with).
+  config the keys added since, at the values its code ran with, `eval.detection_only` too, which
+  was added within version 3). A detection-only run (`eval.detection_only`) has `metrics.defended`
+  and `der` null and says why in `metrics.defended_reason`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from backdoorbench.run_keys import protocol_name
+from backdoorbench.run_keys import detection_only, protocol_name
 from backdoorbench.fileio import atomic_write_text, write_new_bytes
 
 SCHEMA_VERSION = 3
@@ -144,6 +146,9 @@ def validate_record(data: Any) -> None:
     if defended is not None:
         _check_metrics("metrics.defended", defended)
         _check_fraction("metrics.der", der)
+    reason = metrics.get("defended_reason")  # a detection-only run: why there is no defended model
+    if reason is not None and (defended is not None or not isinstance(reason, str) or not reason):
+        raise RecordError("metrics.defended_reason must be a non-empty string, and only where metrics.defended is null")
     if data["stealth"] is not None and not isinstance(data["stealth"], dict):
         raise RecordError("stealth must be an object or null")
     for key, value in data["timings_s"].items():
@@ -229,14 +234,22 @@ def _check_reactivation(block: Any) -> None:
             _check_fraction(f"reactivation.{model}.probe.{key}", value)
 
 
+def record_table(data: dict[str, Any]) -> str:
+    """The table a record (as a dict) is a row of: `attacks` without a defense, `detections` for a
+    detection-only run (`eval.detection_only`: no defended model, never a repair result), else `defenses`."""
+    if data["defense"]["name"] == "none":
+        return "attacks"
+    return "detections" if detection_only(data["config"]) else "defenses"
+
+
 def canonical_key(data: dict[str, Any]) -> str:
     """`<table>|<dataset>|<protocol>|<model>|<attack>|<target_mode>|<defense>` of a record (as a dict):
     the records that share it are the settings of one cell, of which one is canonical."""
     attack, defense = data["attack"], data["defense"]["name"]
     target = attack.get("target")
     mode = attack["target_mode"] + (f"({target})" if target is not None and attack["target_mode"] == "all2one" else "")
-    return "|".join(["attacks" if defense == "none" else "defenses", data["dataset"]["name"],
-                     protocol_name(data["config"]), data["model"]["name"], attack["name"], mode, defense])
+    return "|".join([record_table(data), data["dataset"]["name"], protocol_name(data["config"]), data["model"]["name"],
+                     attack["name"], mode, defense])
 
 
 # Keys of a method's config that are not its setting: the class, and the target mode (a column of its own).
@@ -394,13 +407,26 @@ def upgrade(data: Any) -> dict[str, Any]:
     step per version; `data` itself is left as it was. RecordError on an unknown version or a
     malformed record."""
     validate_record(data)
-    if data["schema_version"] == SCHEMA_VERSION:
+    if data["schema_version"] < SCHEMA_VERSION:
+        data = dict(data)  # each step replaces what it changes: the caller's objects stay as they were
+        while data["schema_version"] < SCHEMA_VERSION:
+            data = UPGRADES[data["schema_version"]](data)
+        validate_record(data)
+    return _with_eval_keys_added(data)
+
+
+# `eval` keys added within the current version, at the value every record made before them ran with.
+_EVAL_KEYS_ADDED = {"detection_only": False}  # the whole defense ran: no detection-only run existed
+
+
+def _with_eval_keys_added(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the `eval` keys its config lacks of those added since it was made (a new object
+    where it changed; `data` itself where nothing is missing), so every loaded config has the keys
+    a fresh run's has."""
+    evaluation = data["config"].get("eval")
+    if not isinstance(evaluation, dict) or _EVAL_KEYS_ADDED.keys() <= evaluation.keys():
         return data
-    data = dict(data)  # each step replaces what it changes: the caller's objects stay as they were
-    while data["schema_version"] < SCHEMA_VERSION:
-        data = UPGRADES[data["schema_version"]](data)
-    validate_record(data)
-    return data
+    return {**data, "config": {**data["config"], "eval": _with_defaults(evaluation, _EVAL_KEYS_ADDED)}}
 
 
 def save_record(record: RunRecord, path: str | Path, *, exclusive: bool = False) -> Path:

@@ -1,5 +1,6 @@
-"""The run id and the keys it leaves out: plain functions of a resolved config (a dict), without
-Hydra or OmegaConf, so that the records and the report wing can read them without loading either."""
+"""The run id and the keys it leaves out, and the names of the detection arrays a run saves: plain
+functions of a resolved config (a dict) and constants, without Hydra or OmegaConf, so that the
+records, the defense runner and the report wing share them without loading either."""
 
 from __future__ import annotations
 
@@ -27,13 +28,32 @@ def protocol_name(config: Any) -> str:
 INERT_ATTACK_DEFAULTS = {"signal": "sinusoid"}
 
 
+def detection_only(config: dict[str, Any]) -> bool:
+    """Whether the run only scored its detector (`eval.detection_only`): no retraining on the kept
+    data, no defended model. A config from before the key existed ran the whole defense."""
+    return bool((config.get("eval") or {}).get("detection_only", False))
+
+
+# The per-item detection arrays every detecting run saves in its artifacts (.npz), whatever the
+# detector, oriented so that higher = more suspicious:
+# - a dataset-level detector (pre_train, or an in_train defense that isolates samples, ABL): one
+#   entry per training sample the defender was given, in its stored order;
+# - an input-level detector: the clean test inputs, then the triggered ones.
+DETECTION_SCORES = "detection_scores"  # float: the detector's suspicion
+DETECTION_TRUTH = "detection_truth"  # bool: truly poisoned / triggered (for the ROC; the detector never saw it)
+DETECTION_FLAGGED = "detection_flagged"  # bool: the detector's own verdict (its flags, or score > threshold)
+DETECTION_THRESHOLD = "detection_threshold"  # scalar, input detectors: flagged = score > threshold
+
+
 def inert_keys(config: dict[str, Any]) -> tuple[str, ...]:
     """Keys added later that play no part at their defaults: trainer keys, an empty
-    `victim_trainer`, and attack keys at the value runs had before the key existed
-    (`INERT_ATTACK_DEFAULTS`). Left out of the run id and the victim key, so a run that does not use
-    them keeps the id and the cached victim it had before."""
+    `victim_trainer`, attack keys at the value runs had before the key existed
+    (`INERT_ATTACK_DEFAULTS`), and `eval.detection_only` while off. Left out of the run id and the
+    victim key, so a run that does not use them keeps the id and the cached victim it had before."""
     trainer = config.get("trainer") or {}
     inert = [] if set_victim_keys(config) else ["victim_trainer"]
+    if not detection_only(config):
+        inert.append("eval.detection_only")
     if trainer.get("schedule_period") is None:
         inert.append("trainer.schedule_period")
     if trainer.get("schedule") != "plateau":

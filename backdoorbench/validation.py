@@ -6,9 +6,10 @@ from __future__ import annotations
 import warnings
 
 import torch
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from backdoorbench import checks, distributed
+from backdoorbench import checks, distributed, registry
 from backdoorbench.datasets.spec import dataset_spec
 from backdoorbench.config import victim_overrides, victim_trainer_node
 from backdoorbench.errors import ConfigError
@@ -36,6 +37,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"attack.target={target!r} is out of range; use an integer class index >= 0")
     checks.integer("eval", "stealth_images", cfg.eval.stealth_images, 0, hint="0 = skip")
     check_lpips_setting(cfg.eval.lpips)
+    _check_detection_only(cfg)
     _check_pgd(cfg.eval.pgd)
     _check_reactivation(cfg)
     _check_device(cfg.device)
@@ -48,6 +50,20 @@ def _check_victim_trainer(cfg: DictConfig) -> None:
     epochs = victim_overrides(cfg).get("epochs")
     if epochs is not None:
         checks.integer("victim_trainer", "epochs", epochs, 0)
+
+
+def _check_detection_only(cfg: DictConfig) -> None:
+    """`eval.detection_only=true` needs a defense that detects (its class says so: `is_detector`)."""
+    if not cfg.eval.get("detection_only", False):
+        return
+    detectors = ", ".join(name for name, cls in registry.classes("defense").items() if cls.is_detector())
+    if cfg.defense is None:
+        raise ConfigError(f"eval.detection_only=true needs a detecting defense, and defense is none; choose one of: "
+                          f"{detectors}")
+    defense = get_class(cfg.defense._target_)
+    if not defense.is_detector():
+        raise ConfigError(f"eval.detection_only=true needs a detecting defense; defense={defense.name} "
+                          f"({defense.stage.replace('_', '-')}) repairs and detects nothing; choose one of: {detectors}")
 
 
 def _check_pgd(pgd: DictConfig) -> None:

@@ -86,6 +86,15 @@ def test_runs_store_examples_gradcam_and_defense_data(tiny_results):
     scores = torch.cat([-torch.from_numpy(clean), -torch.from_numpy(poisoned)])
     is_poisoned = torch.cat([torch.zeros(len(clean), dtype=torch.bool), torch.ones(len(poisoned), dtype=torch.bool)])
     assert auroc(scores, is_poisoned) == pytest.approx(record.metrics["detection"]["auroc"])
+    # the names every input detector's run saves: the same scores (higher = more suspicious), the truth,
+    # the verdict at the threshold
+    assert data["detection_scores"].tolist() == pytest.approx(scores.tolist())
+    assert data["detection_truth"].dtype == np.bool_ and data["detection_truth"].tolist() == is_poisoned.tolist()
+    assert float(data["detection_threshold"]) == pytest.approx(-float(data["strip_entropy_threshold"]))
+    flagged = data["detection_flagged"]
+    assert flagged.tolist() == (data["detection_scores"] > float(data["detection_threshold"])).tolist()
+    assert flagged[~data["detection_truth"]].mean() == pytest.approx(record.metrics["detection"]["fpr"])
+    assert 0 <= record.metrics["detection"]["f1"] <= 1
 
     record, path = runs["neural_cleanse"]
     data = load_artifacts(artifacts_path(record, path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -209,6 +210,55 @@ def test_spectral_through_the_runner_scores_and_retrains_on_the_kept(poisoned_vi
     assert set(outcome.defended) == {"clean_acc", "asr", "ra"}
 
 
+def test_a_dataset_detector_saves_its_scores_and_detection_only_skips_the_retraining(poisoned_victim):
+    """The runner saves every training sample's score (higher = more suspicious), the truth and the
+    flags under the generic names, scores F1 beside TPR/FPR/AUROC, and with detection_only returns
+    the same detection without building or training a model."""
+    import dataclasses
+
+    from backdoorbench.records import RunRecord
+    from backdoorbench.report.cells import detection_f1
+    from backdoorbench.run_keys import DETECTION_FLAGGED, DETECTION_SCORES, DETECTION_TRUTH
+
+    model, attack, poisoned, is_poison = poisoned_victim
+    test = quadrant_data(40, seed=5, num_classes=VICTIM_CLASSES)
+    ctx = context(model, poisoned, poisoned.split.subset(torch.arange(0)), num_classes=VICTIM_CLASSES)
+    defense = SpectralSignatures(removal="oracle", expected_poison_rate=0.2)
+    full = run_defense(defense, ctx, attack, test)
+    scores, truth, flagged = (full.artifacts[k] for k in (DETECTION_SCORES, DETECTION_TRUTH, DETECTION_FLAGGED))
+    assert len(scores) == len(truth) == len(flagged) == len(poisoned.split) == 400
+    assert truth.dtype == flagged.dtype == torch.bool and torch.equal(truth, is_poison)
+    assert torch.equal(scores, defense.apply(ctx).sample_scores) and int(flagged.sum()) == full.detection["n_flagged"]
+    assert full.detection["auroc"] == auroc(scores, truth) > 0.5  # higher = more suspicious, as the AUROC reads it
+    hits = int((flagged & truth).sum())
+    assert full.detection["f1"] == pytest.approx(2 * hits / (int(flagged.sum()) + int(truth.sum())))
+    # a record made before F1 was recorded: the board derives it exactly from TPR, the flag count and the poison
+    older = {k: v for k, v in full.detection.items() if k != "f1"}
+    record = RunRecord(run_id="r", group_id="g", created_at="x", dataset={"name": "d"}, model={"name": "m"},
+                       attack={"name": "badnets", "n_poisoned": int(truth.sum())}, defense={"name": "spectral"}, seed=0,
+                       metrics={"detection": older}, stealth=None, timings_s={}, env={}, config={})
+    assert detection_f1(record) == pytest.approx(full.detection["f1"], abs=1e-12)
+    record.defense["exported_set"] = {"n_poisoned": 2 * int(truth.sum())}  # the exported set's poison counts
+    assert detection_f1(record) != pytest.approx(full.detection["f1"])
+
+    def no_model(**kwargs):
+        raise AssertionError("detection only builds no model")
+    only = run_defense(defense, dataclasses.replace(ctx, detection_only=True, build_model=no_model), attack, test)
+    assert only.defended is None and only.model is None and "n_kept" not in only.extras
+    assert only.detection == full.detection and torch.equal(only.artifacts[DETECTION_SCORES], scores)
+    assert only.cost["passes_per_train_image"] < full.cost["passes_per_train_image"]  # the retraining's passes
+
+
+def test_detection_only_refuses_a_defense_that_does_not_detect(poisoned_victim):
+    from backdoorbench.defenses.fine_tuning import FineTuning
+
+    model, attack, poisoned, _ = poisoned_victim
+    ctx = dataclasses.replace(context(model, poisoned, poisoned.split), detection_only=True)
+    with pytest.raises(ConfigError, match="eval.detection_only=true needs a defense that detects; fine_tuning"):
+        run_defense(FineTuning(epochs=1), ctx, attack, quadrant_data(8, seed=5))
+    assert [SpectralSignatures.is_detector(), Strip.is_detector(), FineTuning.is_detector()] == [True, True, False]
+
+
 # ---- STRIP ---------------------------------------------------------------------------------------
 
 class PatchDominated(nn.Module):
@@ -256,6 +306,23 @@ def test_strip_entropy_is_low_for_triggered_inputs_and_the_runner_rejects_them()
     assert outcome.extras["calibration_frr"] == pytest.approx(6 / 120)  # floor(0.05 * 120) = 6 clean images rejected
     assert outcome.defended["asr"] < 0.2  # rejected triggered inputs no longer count as attacks
     assert outcome.detection["threshold"] == pytest.approx(-outcome.extras["entropy_threshold_bits"])
+    # the generic arrays any input detector saves: the clean test inputs, then the triggered ones,
+    # higher = more suspicious (STRIP: the negated entropy), flagged above the detector's threshold
+    from backdoorbench.run_keys import DETECTION_FLAGGED, DETECTION_SCORES, DETECTION_THRESHOLD, DETECTION_TRUTH
+
+    a = outcome.artifacts
+    n_clean, n_triggered = len(test.labels), int(attackable.sum())
+    assert len(a[DETECTION_SCORES]) == len(a[DETECTION_TRUTH]) == len(a[DETECTION_FLAGGED]) == n_clean + n_triggered
+    assert a[DETECTION_TRUTH].tolist() == [False] * n_clean + [True] * n_triggered
+    assert torch.equal(a[DETECTION_SCORES], torch.cat([-a["strip_entropy_clean"], -a["strip_entropy_poisoned"]]))
+    assert float(a[DETECTION_THRESHOLD]) == defense.threshold
+    assert torch.equal(a[DETECTION_FLAGGED], a[DETECTION_SCORES] > defense.threshold)
+    assert outcome.detection["auroc"] == auroc(a[DETECTION_SCORES], a[DETECTION_TRUTH])
+    rejected = int(a[DETECTION_FLAGGED][n_clean:].sum())
+    assert outcome.detection["f1"] == pytest.approx(2 * rejected / (int(a[DETECTION_FLAGGED].sum()) + n_triggered))
+    fresh = dataclasses.replace(context(model, poisoned, clean_subset), detection_only=True)  # the same seeded stream
+    only = run_defense(Strip(num_superimpose=20, frr=0.05), fresh, attack, test)
+    assert only.defended is None and only.detection == outcome.detection
 
 
 def test_strip_is_seeded_and_needs_clean_images():

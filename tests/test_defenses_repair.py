@@ -551,6 +551,58 @@ def test_abl_isolates_the_backdoored_samples(backdoor):
     assert precision >= 0.9
 
 
+def test_abl_isolation_is_its_detection_scored_by_the_runner_and_detection_only_stops_there(backdoor):
+    """ABL's isolation, oriented so higher = more suspicious (the negated loss), is its DefenseResult's
+    sample_scores and flagged; the runner scores it (TPR, FPR, F1, AUROC) and saves the arrays; with
+    detection_only ABL stops after the isolation, and the detection is the same."""
+    import dataclasses
+
+    from backdoorbench.defenses.runner import run_defense
+    from backdoorbench.metrics.detection import auroc
+    from backdoorbench.run_keys import DETECTION_FLAGGED, DETECTION_SCORES, DETECTION_TRUTH
+
+    def defense():
+        torch.manual_seed(1)  # the fresh model's init
+        return AntiBackdoorLearning(isolation_epochs=2, finetune_epochs=0, unlearn_epochs=0, lr=0.05)
+
+    train = backdoor.poisoned.split
+    result = defense().apply(backdoor.ctx())
+    losses = per_sample_loss(result.model, train, torch.device("cpu"))  # no phase after isolation: its model
+    assert torch.allclose(result.sample_scores, -losses)
+    isolated = torch.zeros(len(train), dtype=torch.bool)
+    isolated[isolate_lowest_loss(losses, 0.01)] = True
+    assert torch.equal(result.flagged, isolated) and int(result.flagged.sum()) == result.extras["n_isolated"] == 20
+
+    full = run_defense(defense(), backdoor.ctx(), backdoor.attack, backdoor.test)
+    detection = full.detection
+    is_poisoned = full.artifacts[DETECTION_TRUTH]
+    caught = int((full.artifacts[DETECTION_FLAGGED] & is_poisoned).sum())
+    assert int(is_poisoned.sum()) == len(backdoor.poisoned.indices) == 200 and caught >= 18  # 20 isolated, >= 90% poison
+    assert detection["tpr"] == caught / 200 and detection["fpr"] == (20 - caught) / 1800
+    assert detection["f1"] == pytest.approx(2 * caught / (20 + 200)) and detection["n_flagged"] == 20
+    assert detection["auroc"] == pytest.approx(auroc(full.artifacts[DETECTION_SCORES], is_poisoned))
+    assert detection["auroc"] > 0.9  # the poison's loss is the lowest: higher score, more suspicious
+    assert full.model is not None and set(full.defended) == {"clean_acc", "asr", "ra"}
+
+    phases = []
+    original = Trainer.fit
+
+    def spy(self, model, split, **kwargs):
+        phases.append(kwargs["desc"])
+        return original(self, model, split, **kwargs)
+
+    Trainer.fit = spy
+    try:
+        torch.manual_seed(1)
+        abl = AntiBackdoorLearning(isolation_epochs=2, finetune_epochs=3, unlearn_epochs=2, lr=0.05)
+        only = run_defense(abl, dataclasses.replace(backdoor.ctx(), detection_only=True), backdoor.attack, backdoor.test)
+    finally:
+        Trainer.fit = original
+    assert phases == ["abl isolation"]  # no training on the rest, no unlearning
+    assert only.model is None and only.defended is None and only.detection == detection
+    assert torch.equal(torch.as_tensor(only.artifacts[DETECTION_SCORES]), torch.as_tensor(full.artifacts[DETECTION_SCORES]))
+
+
 def test_abl_unlearning_raises_the_loss_of_the_backdoored_samples(backdoor):
     before = state_copy(backdoor.model)
     poisoned = backdoor.poisoned.split.subset(backdoor.poisoned.indices)

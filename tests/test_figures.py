@@ -11,12 +11,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
 from backdoorbench.errors import ConfigError
-from backdoorbench.report import fig_defenses, fig_examples, fig_robust, fig_sweeps, plot
+from backdoorbench.report import fig_defenses, fig_detection, fig_examples, fig_robust, fig_sweeps, plot
 from backdoorbench.report.figures import FIGURES, main, write_figures
 from backdoorbench.report.plot import ROWS_PER_PAGE, Run
 from backdoorbench.report.query import load_records_with_paths
 
-DRAWING = (plot, fig_defenses, fig_sweeps, fig_robust)  # the modules that save a figure (plot: pages of one)
+DRAWING = (plot, fig_defenses, fig_sweeps, fig_robust, fig_detection)  # the modules that save a figure (plot: pages of one)
 from backdoorbench.records import save_record
 from tests.test_records import make_record
 
@@ -38,7 +38,7 @@ def test_every_figure_is_drawn_from_real_runs(tiny_results, tmp_path):
     skipped = []
     written = write_figures(results, report=skipped.append)
     assert skipped == []
-    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert sorted(written) == [f.number for f in FIGURES] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     for number, paths in written.items():
         assert sorted(p.suffix for p in paths) == [".pdf", ".png"], number  # one attack: one page
         png, pdf = sorted(paths, key=lambda p: p.suffix, reverse=True)
@@ -56,7 +56,9 @@ def test_missing_data_gives_one_skip_line_per_figure_with_the_command(tmp_path, 
                 tmp_path / "runs" / "mnist5k" / "badnets_all2one" / "r.json")
     assert main([f"results_dir={tmp_path}"]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 10 and all(line.startswith("skipped figure ") for line in lines)
+    assert len(lines) == 11 and all(line.startswith("skipped figure ") for line in lines)
+    assert lines[10].endswith("defense=spectral,activation_clustering,strip eval.detection_only=true seed=0,1,2 "
+                              f"results_dir={tmp_path}")
     # robust accuracy vs eps, and vs lambda: a record with the old single PGD number has no curve
     for line, number in zip(lines[6:8], (7, 8)):
         assert line.startswith(f"skipped figure {number} ")
@@ -274,3 +276,101 @@ def test_a_seed_run_twice_at_one_swept_value_counts_once_its_newest_run(tmp_path
     (fig,) = drawn
     asr = next(c for ax in fig.axes for c in ax.containers if c.get_label() == "ASR")
     assert list(asr.lines[0].get_ydata()) == pytest.approx([10.0, 50.0])
+
+
+# ---- figure 11: ROC curves of the detectors ---------------------------------------------------------
+
+
+def test_roc_points_count_ties_once_and_seeds_average_vertically():
+    import torch
+
+    from backdoorbench.metrics.detection import auroc
+
+    perfect = fig_detection.roc_points(np.array([3.0, 2.0, 1.0, 0.0]), np.array([True, True, False, False]))
+    assert [p.tolist() for p in perfect] == [[0, 0, 0, 0.5, 1], [0, 0.5, 1, 1, 1]]
+    tied = fig_detection.roc_points(np.array([1.0, 1.0, 0.0, 0.0]), np.array([True, False, True, False]))
+    assert [p.tolist() for p in tied] == [[0, 0.5, 1], [0, 0.5, 1]]  # one point per distinct score: the diagonal
+    # the mean TPR at each FPR (at an FPR where a curve rises vertically, the top of the rise), not a mean of FPRs
+    mean, std = fig_detection.vertical_average([perfect, tied], grid=np.array([0.0, 0.25, 0.5, 1.0]))
+    assert mean.tolist() == pytest.approx([0.5, 0.625, 0.75, 1.0])
+    assert std.tolist() == pytest.approx([np.sqrt(0.5), np.sqrt(2) * 0.375, np.sqrt(2) * 0.25, 0.0])
+    # the area under a seed's points is its AUROC, ties one half
+    assert fig_detection.area(*perfect) == 1.0 and fig_detection.area(*tied) == 0.5
+    g = np.random.default_rng(3)
+    scores, truth = g.integers(0, 5, 300).astype(float), g.random(300) < 0.3  # many ties
+    assert fig_detection.area(*fig_detection.roc_points(scores, truth)) == pytest.approx(
+        auroc(torch.from_numpy(scores), torch.from_numpy(truth)))
+    alone, spread = fig_detection.vertical_average([tied])
+    assert alone == pytest.approx(fig_detection.FPR_GRID) and not spread.any()
+
+
+def test_detection_arrays_are_the_generic_ones_or_an_older_strip_records_entropies():
+    generic = {"detection_scores": np.array([0.1, 0.9, 0.5]), "detection_truth": np.array([False, True, True]),
+               "detection_threshold": np.array(0.4)}
+    scores, truth, flagged = fig_detection.detection_arrays(generic)
+    assert scores.tolist() == [0.1, 0.9, 0.5] and truth.tolist() == [False, True, True]
+    assert flagged.tolist() == [False, True, True]  # above the threshold, as the runner flags
+    scores, truth, flagged = fig_detection.detection_arrays(
+        {**generic, "detection_flagged": np.array([True, False, False])})
+    assert flagged.tolist() == [True, False, False]  # the run's own verdict wins
+    # STRIP before the generic names: entropies, low = triggered; clean first
+    scores, truth, flagged = fig_detection.detection_arrays({
+        "strip_entropy_clean": np.array([2.0, 3.0]), "strip_entropy_poisoned": np.array([0.1]),
+        "strip_entropy_threshold": np.array(1.0)})
+    assert scores.tolist() == [-2.0, -3.0, -0.1] and truth.tolist() == [False, False, True]
+    assert flagged.tolist() == [False, False, True]
+    assert fig_detection.detection_arrays({"examples_clean": np.zeros(3)}) is None
+
+
+def detector_run(tmp_path, name, *, defense, stage, attack, seed, scores=None, truth=None, group=None):
+    """A run of `defense` with its detection in the record and, given `scores`, its saved arrays."""
+    artifacts = {} if scores is None else {"detection_scores": scores, "detection_truth": truth,
+                                           "detection_flagged": scores > 0.5}
+    record = make_record(run_id=name, group_id=group or f"g-{defense}-{attack}", seed=seed,
+                         defense={"name": defense, "stage": stage}, artifacts="a.npz" if artifacts else None,
+                         attack={"name": attack, "target_mode": "all2one", "target": 0, "poison_rate": 0.1,
+                                 "n_poisoned": int(truth.sum()) if truth is not None else 1,
+                                 "poisoned_indices_sha256": "0" * 64},
+                         metrics={"attacked": {"clean_acc": 0.9, "asr": 1.0, "ra": 0.0}, "defended": None, "der": None,
+                                  "detection": {"tpr": 0.5, "fpr": 0.1, "f1": 0.5, "auroc": 0.8}},
+                         config={"seed": seed, "trainer": {"epochs": 10},
+                                 "defense": {"_target_": f"backdoorbench.defenses.{defense}.X"},
+                                 "eval": {"detection_only": True}})
+    return Run(record, tmp_path / f"{name}.json", artifacts)
+
+
+def test_the_roc_figure_has_a_panel_per_attack_and_a_mean_curve_per_detector(tmp_path, drawn):
+    g = np.random.default_rng(0)
+    truth = np.arange(200) < 20
+    runs, seeds = [], {}
+    for attack in ("badnets", "blended"):
+        for seed in (0, 1):
+            scores = g.random(200) + truth * (0.5 if attack == "badnets" else 0.2)
+            seeds[(attack, seed)] = scores
+            runs.append(detector_run(tmp_path, f"s-{attack}-{seed}", defense="spectral", stage="pre_train",
+                                     attack=attack, seed=seed, scores=scores, truth=truth))
+        runs.append(detector_run(tmp_path, f"i-{attack}", defense="strip", stage="input", attack=attack, seed=0,
+                                 scores=g.random(200) + truth, truth=truth))
+    runs.append(detector_run(tmp_path, "ac", defense="activation_clustering", stage="pre_train", attack="badnets",
+                             seed=0))  # no scores saved (a record from before): no curve, no error
+    assert fig_detection.detection_roc(runs, tmp_path)
+    (fig,) = drawn
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.lines]
+    assert [ax.get_title() for ax in panels] == ["badnets all2one\nvictim 10 ep", "blended all2one\nvictim 10 ep"]
+    assert "mean over seeds" in fig._suptitle.get_text() and "vertical averaging" in fig._suptitle.get_text()
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert labels[:2] == ["spectral (training samples), n=2", "strip (test inputs), n=1"]
+    badnets = panels[0]
+    curves = [line for line in badnets.lines if len(line.get_xdata()) == len(fig_detection.FPR_GRID)]
+    assert [line.get_linestyle() for line in curves] == ["-", "--"]  # dataset-level solid, input-level dashed
+    expected, _ = fig_detection.vertical_average([fig_detection.roc_points(seeds[("badnets", s)], truth) for s in (0, 1)])
+    assert curves[0].get_ydata() == pytest.approx(expected)
+    # the operating point: the mean (FPR, TPR) over the seeds of the run's own flags
+    marker = next(line for line in badnets.lines if line.get_marker() == "o" and line.get_color() == curves[0].get_color())
+    points = [((seeds[("badnets", s)] > 0.5)[~truth].mean(), (seeds[("badnets", s)] > 0.5)[truth].mean()) for s in (0, 1)]
+    assert (marker.get_xdata()[0], marker.get_ydata()[0]) == pytest.approx(tuple(np.mean(points, 0)))
+
+    drawn.clear()
+    fig_detection.detection_roc([r for r in runs if r.record.seed == 0], tmp_path)
+    assert "(seed 0)" in drawn[0]._suptitle.get_text()
+    assert fig_detection.detection_roc(runs[-1:], tmp_path) == []  # no saved scores anywhere: skipped

@@ -89,6 +89,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("wb eps negative", fixed("attack=wb", "attack.eps=-0.1"), "attack.eps=-0.1 is out of range"),
     ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
     ("ep bin width 0", fixed("defense=ep", "defense.step=0"), "defense.step=0 is invalid; use a number > 0"),
+    ("detection only of a repair", fixed("defense=fine_tuning", "eval.detection_only=true"),
+     "eval.detection_only=true needs a detecting defense; defense=fine_tuning (post-train) repairs and detects "
+     "nothing; choose one of: abl, activation_clustering, spectral, strip"),
     ("bnp without clean data", fixed("defense=bnp", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
     ("ft_sam rho 0", fixed("defense=ft_sam", "defense.rho=0"), "defense.rho=0 is invalid; use a number > 0"),
     ("ft_sam label smoothing 1", fixed("defense=ft_sam", "defense.label_smoothing=1"),
@@ -148,6 +151,10 @@ PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["attack=input_aware", "attack.depth=3"], "attack.depth=3 does not fit 28x28 images"),
     (["model=timm", "model.name=resnet18", "model.weights=/no/such/weights.pt"], "model.weights='/no/such/weights.pt' does not exist"),
     (["trainer.batch_size=0"], "trainer.batch_size=0 is invalid"),
+    (["eval.detection_only=maybe"], "Value 'maybe' is not a valid bool"),
+    (["eval.detection_only=true"], "eval.detection_only=true needs a detecting defense, and defense is none; "
+                                   "choose one of: abl, activation_clustering, spectral, strip"),
+    (["defense=nad", "eval.detection_only=true"], "defense=nad (post-train) repairs and detects nothing"),
     # near misses (the suggestion code's own cases are in tests/test_suggest.py)
     (["defense=fp"], "unknown defense 'fp'; did you mean defense=fine_pruning? Or choose one of: abl, "),
     (["defense=Neural-Cleanse"], "did you mean defense=neural_cleanse?"),

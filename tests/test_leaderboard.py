@@ -33,7 +33,7 @@ def stealth(psnr, ssim, lpips=None):
 
 def save(runs, name, *, group, seed, dataset="mnist5k", model="mnist_cnn", attack="badnets", mode="all2one",
          defense="none", attacked=(0.97, 1.0, 0.0), defended=None, der=None, detection=None, cfg=None, st=None,
-         created="2026-12-01T00:00:00+00:00", overrides=None, env=None):
+         created="2026-12-01T00:00:00+00:00", overrides=None, env=None, defense_info=None, benign=None):
     ca, asr, ra = attacked
     metrics = {"attacked": {"clean_acc": ca, "asr": asr, "ra": ra},
                "defended": None if defended is None else dict(zip(("clean_acc", "asr", "ra"), defended)),
@@ -41,8 +41,9 @@ def save(runs, name, *, group, seed, dataset="mnist5k", model="mnist_cnn", attac
     record = make_record(run_id=name, group_id=group, seed=seed, dataset={"name": dataset}, model={"name": model},
                          attack={"name": attack, "target_mode": mode, "target": 0 if mode == "all2one" else None,
                                  "poison_rate": 0.1, "n_poisoned": 400, "poisoned_indices_sha256": "0" * 64},
-                         defense={"name": defense}, metrics=metrics, stealth=st, config=cfg or config(),
-                         created_at=created, overrides=overrides or [f"attack={attack}", f"seed={seed}"],
+                         defense={"name": defense, **(defense_info or {})}, metrics=metrics, stealth=st,
+                         config=cfg or config(), created_at=created, benign=benign,
+                         overrides=overrides or [f"attack={attack}", f"seed={seed}"],
                          env=env or {"torch": "x", "git_commit": None})
     save_record(record, runs / dataset / f"{attack}_{mode}" / f"{name}.json")
 
@@ -63,7 +64,7 @@ def write_runs(results_dir):
         save(runs, f"ft{seed}", group="gft", seed=seed, defense="fine_tuning", defended=(0.95, after_asr, 0.8),
              der=0.9 - seed / 20, cfg=config(defense={"_target_": "backdoorbench.defenses.fine_tuning.FineTuning"}))
     save(runs, "s0", group="gs", seed=0, defense="strip", defended=(0.90, 0.05, 0.0), der=0.95,
-         detection={"tpr": 0.9, "fpr": 0.01, "auroc": 0.97},
+         detection={"tpr": 0.9, "fpr": 0.01, "auroc": 0.97}, defense_info={"stage": "input"},
          cfg=config(defense={"_target_": "backdoorbench.defenses.strip.Strip"}))
     save(runs, "c0", group="gc", seed=0, dataset="cifar10", model="preact_resnet18", attacked=(0.93, 1.0, 0.0))
 
@@ -179,9 +180,10 @@ def test_html_page_is_self_contained_with_sortable_tables(tmp_path):
     parser = TableParser()
     parser.feed(page)
     grids = [t for t in parser.tables if t["class"] == "grid"]
-    parser.tables = [t for t in parser.tables if t["class"] != "grid"]
-    assert len(parser.tables) == 3 and all(t["class"] == "sortable" for t in parser.tables)
-    assert len(grids) == 2 and page.index('class="grid"') < page.index('class="sortable"')  # the page opens on them
+    boards = [t for t in parser.tables if t["class"] == "sortable detection"]  # STRIP's detection
+    parser.tables = [t for t in parser.tables if t["class"] not in ("grid", "sortable detection")]
+    assert len(parser.tables) == 3 and all(t["class"] == "sortable" for t in parser.tables) and len(boards) == 1
+    assert len(grids) == 2 and page.index('class="grid"') < page.index('class="sortable')  # the page opens on them
     assert parser.scripts == [{}]  # one inline script, no src: nothing is fetched
     assert "http://" not in page and "https://" not in page and "addEventListener(\"click\"" in page
     attacks = next(t for t in parser.tables if "PSNR dB" in t["header"] and len(t["rows"]) > 2)
@@ -341,7 +343,8 @@ def test_each_row_links_its_records_and_the_command_that_reruns_it(tmp_path):
     write_runs(tmp_path)
     page = write_leaderboard(tmp_path).html.read_text()
     links = re.findall(r'href="\.\./([^"]+)"', page)
-    assert len(links) == 11 and all((tmp_path / urllib.parse.unquote(link)).is_file() for link in links)
+    assert len(links) == 12 and all((tmp_path / urllib.parse.unquote(link)).is_file() for link in links)
+    assert len(set(links)) == 11  # STRIP's record twice: from the defense table and from the detection board
     assert "python -m backdoorbench --multirun attack=badnets seed=0,1,2" in page and "README.md" not in page
     (tmp_path / "README.md").write_text("the commands")
     assert 'href="../README.md"' in write_leaderboard(tmp_path).html.read_text()
@@ -382,7 +385,8 @@ def test_every_numeric_header_of_every_table_sorts_in_a_real_browser(tmp_path):
     with Chromium(BROWSER, width=700, height=220) as browser:
         browser.open(page)
         tables = browser.evaluate(PAGE_STATE)
-        assert [len(t["rows"]) for t in tables] == [1, 7, 2]  # cifar10 attacks, mnist5k attacks, defenses
+        # the detection board (STRIP's), then cifar10 attacks, mnist5k attacks, defenses
+        assert [len(t["rows"]) for t in tables] == [1, 1, 7, 2]
         clicks = 0
         for t, table in enumerate(tables):
             whole_rows = sorted(map(tuple, table["rows"]))
@@ -399,22 +403,23 @@ def test_every_numeric_header_of_every_table_sorts_in_a_real_browser(tmp_path):
                     assert keys[len(present):] == [""] * (len(keys) - len(present))  # missing values last, both ways
                     clicks += 1
         assert clicks == 2 * sum(h["type"] == "number" for t in tables for h in t["headers"]) >= 2 * 12
-        attacks = tables[1]
+        attacks = tables[2]
         hashes = [h["text"] for h in attacks["headers"]].index("config")
-        browser.click(*center_of(browser, "table.sortable th", len(tables[0]["headers"]) + hashes))
-        keys = [row[hashes] for row in browser.evaluate(PAGE_STATE)[1]["rows"]]
+        browser.click(*center_of(browser, "table.sortable th", len(tables[0]["headers"]) + len(tables[1]["headers"])
+                                 + hashes))
+        keys = [row[hashes] for row in browser.evaluate(PAGE_STATE)[2]["rows"]]
         assert keys == sorted(keys) and keys[:4] == ["0d21aaaa", "1e10aaaa", "5aaaaaaa", "9f00aaaa"]
         assert browser.errors == []
 
         # the canonical rows by default; the sweeps on their own one click away
-        assert browser.evaluate(PAGE_STATE)[1]["shown"] == ["canonical"] * 2
+        assert browser.evaluate(PAGE_STATE)[2]["shown"] == ["canonical"] * 2
         browser.click(*center_of(browser, "input[value=other]"))
-        assert browser.evaluate(PAGE_STATE)[1]["shown"] == ["other"] * 5
+        assert browser.evaluate(PAGE_STATE)[2]["shown"] == ["other"] * 5
         browser.click(*center_of(browser, "input[value=all]"))
-        assert len(browser.evaluate(PAGE_STATE)[1]["shown"]) == 7
+        assert len(browser.evaluate(PAGE_STATE)[2]["shown"]) == 7
 
         # too wide for 700 px: the table's box scrolls, not the page; its header stays in sight
-        box = "document.querySelectorAll('.scroll')[1]"
+        box = "document.querySelectorAll('.scroll')[2]"
         assert browser.evaluate("document.documentElement.scrollWidth") <= 700
         assert browser.evaluate(f"{box}.scrollWidth > {box}.clientWidth && {box}.scrollHeight > {box}.clientHeight")
         top = browser.evaluate(f"{box}.scrollTop = 1e6, {box}.scrollTop")
@@ -502,3 +507,134 @@ def test_the_board_opens_on_the_defense_x_attack_matrix_of_canonical_cells(tmp_p
     cell = re.search(r'<td style="background: ([^"]+)"[^>]*><a href="#row-gs">', page)
     assert cell and cell.group(1) == "hsl(114, 70%, 82%)"  # 5% ASR after: near green
     assert 'id="row-gs"' in page and f'title="{reason}">n/a<' in page.replace("&#x27;", "'")
+
+
+SPECTRAL = {"_target_": "backdoorbench.defenses.spectral.SpectralSignatures"}
+DETECTION_ONLY = {"eval": {"detection_only": True}}
+REASON = "detection only (eval.detection_only=true): nothing was retrained"
+
+
+def spectral_detection(tpr, fpr=0.1, f1=0.5, auroc=0.9, n_flagged=500):
+    return {"tpr": tpr, "fpr": fpr, "f1": f1, "auroc": auroc, "n_flagged": n_flagged}
+
+
+def write_detection_runs(results_dir):
+    """Spectral against BadNets as full runs (2 seeds) and detection-only runs (3 seeds), against
+    Blended once of each, detection-only on a clean victim (its benign FP), n/a against LIRA; STRIP
+    against BadNets, a record from before F1; fine-tuning, which detects nothing."""
+    runs = results_dir / "runs"
+    dataset_level = {"stage": "pre_train"}
+    for seed, tpr in ((0, 0.2), (1, 0.3)):
+        save(runs, f"sf{seed}", group="gsf", seed=seed, defense="spectral", defended=(0.9, 0.5, 0.4), der=0.7,
+             detection=spectral_detection(tpr), cfg=config(defense=SPECTRAL), defense_info=dataset_level)
+    for seed, (tpr, f1) in enumerate(((0.8, 0.5), (0.9, 0.6), (1.0, 0.7))):
+        save(runs, f"sd{seed}", group="gsd", seed=seed, defense="spectral", detection=spectral_detection(tpr, f1=f1),
+             cfg=config(defense=SPECTRAL) | DETECTION_ONLY, defense_info={**dataset_level, "detection_only": True})
+    # one seed of each on Blended: the full run is taken, although the detection-only one is newer
+    save(runs, "bf0", group="gbf", seed=0, attack="blended", defense="spectral", defended=(0.9, 0.5, 0.4), der=0.7,
+         detection=spectral_detection(0.4), cfg=config(attack="blended", defense=SPECTRAL), defense_info=dataset_level)
+    save(runs, "bd0", group="gbd", seed=0, attack="blended", defense="spectral", detection=spectral_detection(0.5),
+         cfg=config(attack="blended", defense=SPECTRAL) | DETECTION_ONLY, defense_info=dataset_level,
+         created="2026-12-03T00:00:00+00:00")
+    for seed, share in ((0, 0.1), (1, 0.2)):  # the clean victim: every flag is a false positive
+        save(runs, f"nd{seed}", group="gnd", seed=seed, attack="none", defense="spectral", attacked=(0.98, 0.0, 0.98),
+             detection={"tpr": None, "fpr": share, "f1": 0.0, "auroc": None, "n_flagged": int(share * 4000)},
+             benign={"measure": "share of the clean training set removed", "false_positive": share},
+             cfg=config(attack="none", defense=SPECTRAL) | DETECTION_ONLY, defense_info=dataset_level)
+    save(runs, "l0", group="gl", seed=0, attack="lira", defense="spectral", cfg=config(attack="lira", defense=SPECTRAL),
+         defense_info={**dataset_level, "applicable": False, "not_applicable": "lira poisons in its own step"})
+    save(runs, "s0", group="gs", seed=0, defense="strip", defended=(0.90, 0.05, 0.0), der=0.95,
+         detection={"tpr": 0.9, "fpr": 0.01, "auroc": 0.97, "threshold": -0.2}, defense_info={"stage": "input"},
+         cfg=config(defense={"_target_": "backdoorbench.defenses.strip.Strip"}))
+    save(runs, "ft0", group="gft", seed=0, defense="fine_tuning", defended=(0.95, 0.1, 0.8), der=0.9,
+         defense_info={"stage": "post_train"},
+         cfg=config(defense={"_target_": "backdoorbench.defenses.fine_tuning.FineTuning"}))
+    for name in ("sd0", "sd1", "sd2", "bd0", "nd0", "nd1"):  # as a detection-only run writes them
+        path = next(runs.rglob(f"{name}.json"))
+        path.write_text(path.read_text().replace('"der": null,', f'"der": null, "defended_reason": "{REASON}",'))
+
+
+def test_the_detection_board_has_a_cell_per_detector_and_attack_from_full_and_detection_only_runs(tmp_path):
+    write_detection_runs(tmp_path)
+    files = write_leaderboard(tmp_path)
+    board = {r["group_id"]: r for r in read_csv(files.csv["detection"])}
+    # BadNets: the 3 detection-only seeds beat the 2 full ones; Blended: a tie of one seed each, the full run
+    assert sorted(board) == ["gbf", "gl", "gs", "gsd"]
+    sd = board["gsd"]
+    assert (sd["level"], sd["detector"], sd["run"], sd["n"], sd["seeds"]) == ("dataset", "spectral", "detection only",
+                                                                              "3", "0 1 2")
+    assert float(sd["tpr_mean"]) == pytest.approx(0.9) and float(sd["tpr_std"]) == pytest.approx(0.1)
+    assert float(sd["f1_mean"]) == pytest.approx(0.6) and float(sd["fpr_mean"]) == pytest.approx(0.1)
+    assert float(sd["benign_fp_mean"]) == pytest.approx(0.15) and sd["benign_fp_n"] == "2"  # the clean victim's
+    assert float(sd["benign_fp_std"]) == pytest.approx(statistics.stdev([0.1, 0.2]))
+    assert board["gbf"]["run"] == "full" and float(board["gbf"]["tpr_mean"]) == pytest.approx(0.4)
+    assert board["gl"]["tpr_mean"] == "n/a" and board["gs"]["level"] == "input" and board["gs"]["f1_mean"] == ""
+
+    text = files.markdown.read_text()
+    section = text[text.index("## Detection"):text.index("\n## mnist5k, quick protocol\n")]
+    dataset_part = section[section.index("#### Dataset-level"):section.index("#### Input-level")]
+    lines = {line.split("`")[-2]: line for line in dataset_part.splitlines() if line.startswith("| ") and "`" in line}
+    assert lines["gsd"] == ("| spectral | badnets | – | 3 | detection only | 90.00 ± 10.00 | 10.00 | 0.600 ± 0.100 "
+                            "| 0.900 | 15.00 ± 7.07 (n=2) † | `gsd` |")
+    assert lines["gbf"].startswith("| spectral | blended | – | 1 | full | 40.00 † |")
+    # (a LIRA config without its defaults: a setting label)
+    assert lines["gl"].startswith("| spectral | lira | poison_rate=0.1 | 1 | full | n/a | n/a | n/a | n/a | n/a |")
+    assert "In every row: mode all2one(0), training 10 ep." in dataset_part
+    input_part = section[section.index("#### Input-level"):]
+    assert "| strip | badnets | all2one(0) | 10 ep | – | 1 | full | 90.00 † | 1.00 † | 0.970 † | `gs` |" in input_part
+    assert "Not shown, no row has a value: F1, benign FP %." in input_part
+    assert "fine_tuning" not in section and "`gsf`" not in section
+    # detection-only runs are no repair result: not in the defense table, nor in the matrix
+    defenses = {r["group_id"] for r in read_csv(files.csv["defenses"])}
+    assert defenses == {"gsf", "gbf", "gl", "gs", "gft"}
+    grid = text[text.index("## Defense x attack"):text.index("## Detection")]
+    assert "| spectral | 90.0 / 50.0 (n=2 †) | 90.0 / 50.0 (n=1 †) | n/a |" in grid
+    assert files.n_rows == 8 and files.n_records == 12
+
+    page = files.html.read_text()
+    parser = TableParser()
+    parser.feed(page)
+    boards = [t for t in parser.tables if t["class"] == "sortable detection"]
+    assert [len([r for r in t["rows"] if r]) for t in boards] == [3, 1]
+    assert page.index('id="matrix"') < page.index('id="detection"') < page.index('id="tables"')
+    assert '<a href="#detection">Detection</a>' in page
+    header = boards[0]["header"]
+    row = dict(zip(header, next(r for r in boards[0]["rows"] if r and r[1][1] == "badnets")))
+    assert float(row["TPR %"][0]) == pytest.approx(0.9) and row["TPR %"][1] == "90.00 ± 10.00"  # sorts by the mean
+    assert row["run"][1] == "detection only" and row["config"][0] == "gsd"
+
+
+def test_without_a_detecting_run_there_is_no_detection_board(tmp_path):
+    save(tmp_path / "runs", "ft0", group="gft", seed=0, defense="fine_tuning", defended=(0.95, 0.1, 0.8), der=0.9,
+         cfg=config(defense={"_target_": "backdoorbench.defenses.fine_tuning.FineTuning"}))
+    files = write_leaderboard(tmp_path)
+    assert "## Detection" not in files.markdown.read_text() and 'href="#detection"' not in files.html.read_text()
+    assert files.csv["detection"].read_text().count("\n") == 1  # the header only
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium on PATH (chromium, chromium-browser or google-chrome); "
+                                             ".ci/run installs Debian's chromium")
+def test_the_detection_board_sorts_and_stays_shown_in_every_view_in_a_real_browser(tmp_path):
+    write_detection_runs(tmp_path)
+    page = write_leaderboard(tmp_path).html
+    board = """(function () { return Array.prototype.map.call(document.querySelectorAll("table.detection"),
+      function (table) { return Array.prototype.map.call(table.tBodies[0].rows, function (tr) {
+        return [tr.offsetParent !== null].concat(Array.prototype.map.call(tr.cells, function (td) {
+          return td.getAttribute("data-sort"); })); }); }); })()"""
+    with Chromium(BROWSER, width=900, height=400) as browser:
+        browser.open(page)
+        headers = browser.evaluate("Array.prototype.map.call(document.querySelectorAll('table.detection')[0]"
+                                   ".tHead.rows[0].cells, function (th) { return th.textContent; })")
+        tpr = headers.index("TPR %")
+        first = browser.evaluate("Array.prototype.indexOf.call(document.querySelectorAll('table.sortable th'), "
+                                 "document.querySelectorAll('table.detection th')[0])")
+        for ascending in (True, False):
+            browser.click(*center_of(browser, "table.sortable th", first + tpr))
+            rows = browser.evaluate(board)[0]
+            keys = [row[1 + tpr] for row in rows]
+            present = [float(k) for k in keys if k not in ("", "n/a")]
+            assert present == sorted(present, reverse=not ascending) and len(present) == 2, keys
+        for view in ("other", "all", "canonical"):  # each board row is a canonical cell: shown in every view
+            browser.click(*center_of(browser, f"input[value={view}]"))
+            assert all(row[0] for table in browser.evaluate(board) for row in table)
+        assert browser.errors == []

@@ -65,4 +65,19 @@ def test_auroc_against_hand_cases_and_sklearn():
 def test_detection_rates():
     flagged = torch.tensor([1, 0, 1, 0, 0], dtype=torch.bool)
     positive = torch.tensor([1, 1, 0, 0, 0], dtype=torch.bool)
-    assert detection_rates(flagged, positive) == {"tpr": 0.5, "fpr": 1 / 3}
+    assert detection_rates(flagged, positive) == {"tpr": 0.5, "fpr": 1 / 3, "f1": 0.5}  # TP 1, FP 1, FN 1
+
+
+def test_detection_f1_is_sklearns_at_the_detectors_own_flags_and_none_only_for_0_over_0():
+    from sklearn.metrics import f1_score
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        positive = torch.rand(200, generator=g) < 0.1
+        flagged = torch.rand(200, generator=g) < 0.15
+        assert detection_rates(flagged, positive)["f1"] == pytest.approx(f1_score(positive.numpy(), flagged.numpy()))
+    # a clean set: flagging anything is F1 0 (every flag is wrong); flagging nothing is undefined
+    nothing = torch.zeros(10, dtype=torch.bool)
+    assert detection_rates(torch.tensor([True] + [False] * 9), nothing) == {"tpr": None, "fpr": 0.1, "f1": 0.0}
+    assert detection_rates(nothing, nothing)["f1"] is None
+    assert detection_rates(nothing, ~nothing) == {"tpr": 0.0, "fpr": None, "f1": 0.0}  # missed every positive

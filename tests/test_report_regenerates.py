@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import ROOT
 
 RESULTS = ROOT / "results"
-COMMITTED = ("leaderboard.md", "leaderboard.html", "attacks.csv", "defenses.csv", "protocols.md")
+COMMITTED = ("leaderboard.md", "leaderboard.html", "attacks.csv", "defenses.csv", "detection.csv", "protocols.md")
 # What reporting must never load: the method classes, the code that runs them or reads conf/.
 FORBIDDEN = ("backdoorbench.attacks", "backdoorbench.defenses", "backdoorbench.pipeline", "backdoorbench.registry",
              "backdoorbench.factory", "backdoorbench.protocols", "backdoorbench.run_facts", "backdoorbench.train",

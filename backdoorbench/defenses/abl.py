@@ -107,9 +107,12 @@ class AntiBackdoorLearning(Defense):
     Threat model: ABL trains on the poisoned training set. A training-controlled attack leaves the
     stored split clean; WaNet and Input-aware export the poisoned set they trained on (as
     BackdoorBench saves bd_train), which ABL then trains on; against LIRA and WB, which export
-    none, it is recorded as not applicable (`not_applicable`). Isolation precision needs the true poisoned indices and is not computed
-    here (the runner does not score in-training defenses); only the count and the class
-    histogram of the isolated samples are recorded.
+    none, it is recorded as not applicable (`not_applicable`).
+    Detection: the isolation is ABL's detector. Its per-sample loss after the isolation epochs,
+    negated (higher = more suspicious: the lowest loss is isolated), and the isolated set are the
+    result's `sample_scores` and `flagged`; the runner scores them against the true poisoned indices
+    (TPR, FPR, F1, AUROC in `metrics.detection`) and saves them, neither changes the training. With
+    `ctx.detection_only` (`eval.detection_only=true`) ABL stops after the isolation.
     """
 
     name = "abl"
@@ -117,6 +120,7 @@ class AntiBackdoorLearning(Defense):
     sensitivity = ("isolation_ratio",)  # swept by conf/experiment/sensitivity_abl.yaml
     aliases = ("anti_backdoor_learning",)
     stage = "in_train"
+    detects = True  # the isolation: sample_scores and flagged, scored by the runner
     needs_clean_data = False
     meets_training_controlled_attacks = False
     BUDGETS = {"official": {"isolation_epochs": 10, "finetune_epochs": 60, "unlearn_epochs": 4},
@@ -192,8 +196,8 @@ class AntiBackdoorLearning(Defense):
         isolation = self._recipe(trainer, self.isolation_epochs, augment=False, shuffle=self.isolation_shuffle).fit(
             model, train if fixed is None else train.subset(fixed), generator=ctx.generator, epochs=self.isolation_epochs, lr=self.lr,
             step=lga_step(self.gamma), desc="abl isolation")
-        isolated = isolate_lowest_loss(per_sample_loss(model, train, trainer.device, trainer.eval_batch_size),
-                                       self.isolation_ratio)
+        losses = per_sample_loss(model, train, trainer.device, trainer.eval_batch_size)
+        isolated = isolate_lowest_loss(losses, self.isolation_ratio)
         keep = torch.ones(len(train), dtype=torch.bool)
         keep[isolated] = False
         extras = {
@@ -201,6 +205,9 @@ class AntiBackdoorLearning(Defense):
             "isolated_per_class": torch.bincount(train.labels[isolated], minlength=ctx.num_classes).tolist(),
             "isolation_final_loss": isolation[-1]["loss"],
         }
+        detected = dict(sample_scores=-losses, flagged=~keep)  # the lowest loss is the most suspicious
+        if ctx.detection_only:  # the detection is all that is wanted: no training on the rest, no unlearning
+            return DefenseResult(extras=extras, **detected)
         finetune_epochs = trainer.epochs if self.finetune_epochs is None else self.finetune_epochs
         # One optimizer for training on the rest and unlearning, as the official unlearning script
         # (`backdoor_unlearning.py`: one SGD for both loops); None = a fresh one per phase.
@@ -222,7 +229,7 @@ class AntiBackdoorLearning(Defense):
                 lr=self.unlearn_lr, step=unlearning_step, desc="abl unlearn")
             extras["unlearn_final_loss"] = history[-1]["loss"]  # -CE on the isolated samples
             extras["unlearn_lr_per_epoch"] = [row["lr"] for row in history]
-        return DefenseResult(model=model, extras=extras)
+        return DefenseResult(model=model, extras=extras, **detected)
 
     def describe(self) -> dict:
         return {**super().describe(), "budget": self.budget, "isolation_epochs": self.isolation_epochs,

@@ -26,6 +26,8 @@ class DefenseContext:
     its constructor, e.g. `head=`); `train_victim(model, wrap_step=None, train=None)` trains it the
     way the attacker trains the victim (the attack's own steps, on `train` or the poisoned split),
     with `wrap_step` adding the defense's term to every step: in-training defenses use both.
+    `detection_only` (`eval.detection_only`): only the detection is wanted; an in-training detector
+    (`detects = True`) returns its `sample_scores` and `flagged` without training its model.
     """
 
     model: nn.Module
@@ -37,13 +39,17 @@ class DefenseContext:
     generator: torch.Generator
     build_model: Callable[..., nn.Module] | None = None
     train_victim: Callable[..., None] | None = None
+    detection_only: bool = False
 
 
 @dataclass
 class DefenseResult:
     model: nn.Module | None = None  # a repaired model (post-training) or one trained with the defense
-    sample_scores: Tensor | None = None  # suspicion per training sample (pre-training detection)
-    flagged: Tensor | None = None  # bool per training sample: the pre-training detector's verdict
+    # Suspicion per training sample, higher = more suspicious (a pre-training detector; an in-training
+    # one that isolates samples, e.g. ABL's negated loss), and its verdict, bool per sample: the
+    # runner scores them against the true poisoned indices and saves them as artifacts.
+    sample_scores: Tensor | None = None
+    flagged: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # numbers the record keeps (floats, ints)
     # Arrays for figures (per-class anomaly indices, curves, ...), saved beside the record as .npz.
     artifacts: dict[str, np.ndarray | Tensor] = field(default_factory=dict)
@@ -71,6 +77,17 @@ class Defense:
     family: ClassVar[str] = ""
     sensitivity: ClassVar[tuple[str, ...]] = ()
     aliases: ClassVar[tuple[str, ...]] = ()
+    # Whether an in-training defense also detects: it returns `sample_scores` and `flagged` beside its
+    # model, and stops after detecting when `ctx.detection_only` (ABL's isolation). Every pre-training
+    # and input defense detects by its stage: see `is_detector`.
+    detects: ClassVar[bool] = False
+
+    @classmethod
+    def is_detector(cls) -> bool:
+        """Whether the defense returns a detection the runner scores (TPR, FPR, AUROC, F1), so that
+        `eval.detection_only=true` can run it: every pre-training and input defense, and an
+        in-training one that declares `detects`."""
+        return cls.stage in ("pre_train", "input") or (cls.stage == "in_train" and cls.detects)
 
     def __init__(self, *, clean_fraction: float = 0.05) -> None:
         self.clean_fraction = checks.number("defense", "clean_fraction", clean_fraction, 0, 1, high_open=True,
@@ -145,8 +162,10 @@ class InputDefense(Defense):
         raise NotImplementedError
 
     def score_artifacts(self, clean_scores: Tensor, poisoned_scores: Tensor) -> dict[str, np.ndarray | Tensor]:
-        """Figure data from the scores of the clean and the triggered test inputs."""
-        return {"input_scores_clean": clean_scores, "input_scores_poisoned": poisoned_scores}
+        """The detector's own figure data from the scores of the clean and the triggered test inputs
+        (e.g. STRIP's entropies); none by default. The runner saves the scores themselves for every
+        input detector, under the generic names (run_keys.DETECTION_SCORES, ...)."""
+        return {}
 
 
 def clean_subset_indices(num_samples: int, poisoned: Tensor, fraction: float, generator: torch.Generator) -> Tensor:

@@ -16,12 +16,17 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.accuracy import evaluate
 from backdoorbench.metrics.cost import PassCounter, cost_summary, forward_flops_per_image
 from backdoorbench.metrics.detection import auroc, detection_rates
+from backdoorbench.run_keys import DETECTION_FLAGGED, DETECTION_SCORES, DETECTION_THRESHOLD, DETECTION_TRUTH
+
+# Why a detection-only run (`eval.detection_only`, `ctx.detection_only`) has no defended CA/ASR.
+DETECTION_ONLY_REASON = ("detection only (eval.detection_only=true): the detector scored and flagged, "
+                         "nothing was retrained or rejected, so there is no defended model to measure")
 
 
 @dataclass
 class DefenseOutcome:
-    defended: dict[str, float]  # CA, ASR, RA of the defended system
-    detection: dict[str, Any] | None  # TPR, FPR, AUROC where the defense detects
+    defended: dict[str, float] | None  # CA, ASR, RA of the defended system; None in a detection-only run
+    detection: dict[str, Any] | None  # TPR, FPR, AUROC, F1 where the defense detects
     extras: dict[str, Any]
     model: nn.Module | None = None  # the repaired / retrained model, when the defense makes one
     artifacts: dict[str, Any] = field(default_factory=dict)  # arrays for figures, saved beside the record
@@ -32,7 +37,12 @@ def run_defense(defense: Defense, ctx: DefenseContext, attack: Attack, test: Spl
     """Apply `defense` to `ctx` and measure the defended model (or detector) on `test`.
     The defense's compute is counted (`outcome.cost`): `apply`, and the retraining on the kept
     data of a pre-training detector; not the scoring on the test set, except an input detector's
-    own passes per test input (`per_input_forward_images`), its price at inference."""
+    own passes per test input (`per_input_forward_images`), its price at inference.
+    With `ctx.detection_only` a detector is scored and nothing else: no retraining, no defended
+    model, `outcome.defended` None (a ConfigError for a defense that does not detect)."""
+    if ctx.detection_only and not defense.is_detector():
+        raise ConfigError(f"eval.detection_only=true needs a defense that detects; {defense.name} "
+                          f"({defense.stage.replace('_', '-')}) returns no detection")
     counter = PassCounter()
     counter.watch(ctx.model)
     with ctx.trainer.autocast():  # every forward of the defense stage in the run's precision
@@ -60,20 +70,20 @@ def _score(defense: Defense, result: DefenseResult, ctx: DefenseContext, attack:
     extras = dict(result.extras)
     trainer = ctx.trainer
     if defense.stage in ("post_train", "in_train"):
+        detection, artifacts = None, {}
+        if defense.stage == "in_train" and (result.sample_scores is not None or defense.detects):
+            detection, artifacts = _score_samples(defense, result, ctx)  # e.g. ABL's isolation
+        if ctx.detection_only:
+            return DefenseOutcome(None, detection, extras, artifacts=artifacts)
         if result.model is None:
             raise RuntimeError(f"defense {defense.name} ({defense.stage}) returned no model")
-        return DefenseOutcome(evaluate(result.model, trainer, attack, test), None, extras, result.model)
+        return DefenseOutcome(evaluate(result.model, trainer, attack, test), detection, extras, result.model,
+                              artifacts=artifacts)
 
     if defense.stage == "pre_train":
-        if result.sample_scores is None or result.flagged is None:
-            raise RuntimeError(f"defense {defense.name} (pre_train) must return sample_scores and flagged")
-        is_poisoned = torch.zeros(len(ctx.poisoned_train), dtype=torch.bool)
-        is_poisoned[ctx.poisoned_indices] = True
-        detection = {
-            **detection_rates(result.flagged, is_poisoned),
-            "auroc": auroc(result.sample_scores, is_poisoned),
-            "n_flagged": int(result.flagged.sum()),
-        }
+        detection, artifacts = _score_samples(defense, result, ctx)
+        if ctx.detection_only:  # the retraining on the kept samples, the expensive part, is skipped
+            return DefenseOutcome(None, detection, extras, artifacts=artifacts)
         kept = torch.nonzero(~result.flagged.bool().cpu()).flatten()
         if len(kept) == 0:
             raise ConfigError(f"defense {defense.name} flagged every training sample; nothing is left to retrain on")
@@ -81,12 +91,33 @@ def _score(defense: Defense, result: DefenseResult, ctx: DefenseContext, attack:
             model = ctx.build_model()
             ctx.train_victim(counter.watch(model), train=ctx.poisoned_train.subset(kept))
         extras["n_kept"] = int(len(kept))
-        return DefenseOutcome(evaluate(model, trainer, attack, test), detection, extras, model)
+        return DefenseOutcome(evaluate(model, trainer, attack, test), detection, extras, model, artifacts=artifacts)
 
     if defense.stage == "input":
         assert isinstance(defense, InputDefense)
-        return _score_input_defense(defense, ctx.model, trainer, attack, test, extras, counter)
+        outcome = _score_input_defense(defense, ctx.model, trainer, attack, test, extras, counter)
+        if ctx.detection_only:  # the rejections are scored as a detection, not applied to the predictions
+            outcome.defended = None
+        return outcome
     raise ConfigError(f"defense {defense.name!r} has unknown stage {defense.stage!r}")
+
+
+def _score_samples(defense: Defense, result: DefenseResult,
+                   ctx: DefenseContext) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The detection of a dataset-level detector (TPR, FPR, F1 at its flags, AUROC of its scores,
+    against the true poisoned indices) and its per-sample arrays for the artifacts."""
+    n = len(ctx.poisoned_train)
+    if result.sample_scores is None or result.flagged is None:
+        raise RuntimeError(f"defense {defense.name} ({defense.stage}) must return sample_scores and flagged")
+    scores, flagged = result.sample_scores.detach().float().flatten().cpu(), result.flagged.bool().flatten().cpu()
+    if len(scores) != n or len(flagged) != n:
+        raise RuntimeError(f"defense {defense.name} returned {len(scores)} sample_scores and {len(flagged)} flags "
+                           f"for {n} training samples; give one of each per sample")
+    is_poisoned = torch.zeros(n, dtype=torch.bool)
+    is_poisoned[ctx.poisoned_indices] = True
+    detection = {**detection_rates(flagged, is_poisoned), "auroc": auroc(scores, is_poisoned),
+                 "n_flagged": int(flagged.sum())}
+    return detection, {DETECTION_SCORES: scores, DETECTION_TRUTH: is_poisoned, DETECTION_FLAGGED: flagged}
 
 
 @torch.no_grad()
@@ -134,27 +165,31 @@ def _score_input_defense(
     }
     scored = len(clean_scores) + len(bad_scores)
     cost = {"per_input_forward_images": scoring.forward_images / scored if scored else None}
-    return DefenseOutcome(defended, detection, extras, artifacts=defense.score_artifacts(clean_scores, bad_scores),
-                          cost=cost)
+    artifacts = {DETECTION_SCORES: all_scores, DETECTION_TRUTH: is_bad,
+                 DETECTION_FLAGGED: all_scores > defense.threshold,
+                 DETECTION_THRESHOLD: torch.tensor(float(defense.threshold)),
+                 **defense.score_artifacts(clean_scores, bad_scores)}
+    return DefenseOutcome(defended, detection, extras, artifacts=artifacts, cost=cost)
 
 
 def benign_false_positives(defense: Defense, outcome: DefenseOutcome, n_train: int) -> dict[str, Any] | None:
     """What a detector flags when there is nothing to find: run on a clean
     victim (attack=none), every flag is a false positive. `false_positive` in [0, 1] is
-    - pre-training detectors (Spectral, AC): the share of the clean training set removed;
+    - pre-training detectors (Spectral, AC): the share of the clean training set removed; an
+      in-training one (ABL): the share it isolated;
     - input detectors (STRIP): the share of clean test inputs rejected at the calibrated threshold;
     - class detectors (Neural Cleanse, whose extras name the `flagged` classes): 1 if any class is
       flagged on the clean model, else 0, with the classes.
     None for a defense that only repairs (it flags nothing to be wrong about). A share that has no
     denominator (an empty training set) is null with the `reason`, never a 0 that reads as "flagged none"."""
     detection = outcome.detection or {}
-    if defense.stage == "pre_train" and "n_flagged" in detection:
+    if defense.stage in ("pre_train", "in_train") and "n_flagged" in detection:
+        measure = f"share of the clean training set {'removed' if defense.stage == 'pre_train' else 'isolated'}"
         if not n_train:
-            return {"measure": "share of the clean training set removed", "false_positive": None,
+            return {"measure": measure, "false_positive": None,
                     "reason": "the training set is empty: there is no share to measure",
                     "n_flagged": int(detection["n_flagged"])}
-        return {"measure": "share of the clean training set removed",
-                "false_positive": detection["n_flagged"] / n_train,
+        return {"measure": measure, "false_positive": detection["n_flagged"] / n_train,
                 "n_flagged": int(detection["n_flagged"])}
     if defense.stage == "input" and detection.get("fpr") is not None:
         return {"measure": "share of clean test inputs rejected", "false_positive": float(detection["fpr"])}

@@ -30,10 +30,17 @@ def auroc(scores: Tensor, positive: Tensor) -> float | None:
 
 
 def detection_rates(flagged: Tensor, positive: Tensor) -> dict[str, float | None]:
-    """TPR (flagged among positives) and FPR (flagged among negatives) of a bool decision."""
+    """TPR (flagged among positives), FPR (flagged among negatives) and F1 of a bool decision.
+
+    F1 = 2 TP / (2 TP + FP + FN), the harmonic mean of precision and recall at the detector's own
+    flags; None when there is nothing to find and nothing was flagged (0 / 0), 0 when only clean
+    samples were flagged. Each rate is None where its denominator is empty."""
     flagged, positive = flagged.bool().flatten().cpu(), positive.bool().flatten().cpu()
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    hits, false_alarms = int((flagged & positive).sum()), int((flagged & ~positive).sum())
+    f1_denominator = hits + false_alarms + n_pos  # 2 TP + FP + FN, as TP + FN = n_pos
     return {
-        "tpr": int((flagged & positive).sum()) / n_pos if n_pos else None,
-        "fpr": int((flagged & ~positive).sum()) / n_neg if n_neg else None,
+        "tpr": hits / n_pos if n_pos else None,
+        "fpr": false_alarms / n_neg if n_neg else None,
+        "f1": 2 * hits / f1_denominator if f1_denominator else None,
     }

@@ -71,9 +71,34 @@ def _metric(stage: str, name: str) -> Callable[[RunRecord], float | None]:
     return read
 
 
-def _auroc(record: RunRecord) -> float | None:
+def _detection(name: str) -> Callable[[RunRecord], float | None]:
+    def read(record: RunRecord) -> float | None:
+        detection = record.metrics.get("detection")
+        return detection.get(name) if isinstance(detection, dict) else None
+    return read
+
+
+_auroc = _detection("auroc")
+
+
+def detection_f1(record: RunRecord) -> float | None:
+    """F1 at the detector's own flags (`metrics.detection.f1`). A record made before F1 was recorded:
+    a dataset-level detector's from what it kept, exactly, as 2 TP / (flagged + poisoned) with
+    TP = TPR x poisoned (the poisoned samples of the set it was given: the exported set's where it
+    read one); an input detector's record lacks its count of triggered inputs: None."""
     detection = record.metrics.get("detection")
-    return detection.get("auroc") if isinstance(detection, dict) else None
+    if not isinstance(detection, dict):
+        return None
+    if "f1" in detection:
+        return detection["f1"]
+    flagged = detection.get("n_flagged")
+    positives = (record.defense.get("exported_set") or {}).get("n_poisoned", record.attack.get("n_poisoned"))
+    if flagged is None or positives is None:
+        return None
+    if positives == 0:  # a clean set: any flag is wrong (F1 0); none is 0 / 0
+        return 0.0 if flagged else None
+    tpr = detection.get("tpr")
+    return None if tpr is None else 2 * round(tpr * positives) / (flagged + positives)
 
 
 def cost_seconds(record: RunRecord) -> float | None:
@@ -124,8 +149,18 @@ DEFENSE_COLUMNS = (
     Column("benign FP %", "benign_fp", _benign, pct),
     Column("ASR spread", "asr_spread", lambda r: None, lambda v: f"{100 * v:.2f}"),
 )
+# The detection board's cells (report/detection.py), read from every detecting run, full or
+# detection-only: at the detector's own threshold or flags; benign FP filled from the clean-model row.
+DETECTION_COLUMNS = (
+    Column("TPR %", "tpr", _detection("tpr"), pct),
+    Column("FPR %", "fpr", _detection("fpr"), pct),
+    Column("F1", "f1", detection_f1, lambda v: f"{v:.3f}"),
+    Column("AUROC", "auroc", _auroc, lambda v: f"{v:.3f}"),
+    Column("benign FP %", "benign_fp", _benign, pct),
+)
 TABLES = (("attacks", "Attacks (no defense)", ATTACK_COLUMNS), ("defenses", "Defenses", DEFENSE_COLUMNS))
-COLUMNS = {table: columns for table, _, columns in TABLES}
+# The columns of each table's rows; a detection-only run ("detections") is a row of the detection board only.
+COLUMNS = {**{table: columns for table, _, columns in TABLES}, "detections": DETECTION_COLUMNS}
 
 
 def cell_text(cell: Cell | NotApplicable | None, column: Column, row_n: int) -> str:

@@ -79,7 +79,7 @@ def clean_controls(rows: list[Row]) -> None:
         row.cells["ca_vs_clean"] = Cell(ca.mean - mean, (ca.std**2 + std**2) ** 0.5, ca.n)
 
 
-def _defense_key(row: Row) -> tuple[str, str, str, str]:
+def defense_key(row: Row) -> tuple[str, str, str, str]:
     """A defense row's dataset, model, trainer and defense config: what its benign control shares."""
     return (*training_key(row), json.dumps(row.config.get("defense"), sort_keys=True))
 
@@ -88,11 +88,11 @@ def benign_controls(rows: list[Row]) -> None:
     """Fill each defense row's `benign_fp` from the row of the same defense (the same settings,
     dataset, model and trainer) run against a clean victim (`attack=none`, whose records hold
     `benign`): what the defense flags when there is nothing to find. No such run: no value."""
-    controls = {_defense_key(r): r.cells.get("benign_fp") for r in rows
+    controls = {defense_key(r): r.cells.get("benign_fp") for r in rows
                 if r.table == "defenses" and r.attack == CLEAN_ATTACK and r.cells.get("benign_fp")}
     for row in rows:
         if row.table == "defenses" and not isinstance(row.cells.get("benign_fp"), NotApplicable):
-            row.cells["benign_fp"] = controls.get(_defense_key(row))
+            row.cells["benign_fp"] = controls.get(defense_key(row))
 
 
 def sweep_key(row: Row, swept: tuple[str, ...]) -> tuple[str, ...]:

@@ -20,6 +20,10 @@ under `<results_dir>/figures/`, one file per figure and dataset, with a panel (o
 10. post-purification robustness: ASR recovered by the retuning attack vs its fine-tuning steps
     (eval.reactivation), a panel per attack, a curve per defense (mean ± std over seeds), the
     undefended victim's curve as the reference.
+11. ROC curves of the detectors, a panel per attack, a curve per detector (the leaderboard's
+    detection board cell: its runs that saved their per-item scores), averaged vertically over
+    seeds (the mean TPR at each FPR), the detector's own threshold marked; dataset-level
+    detectors solid, input-level dashed.
 
 Figures 1 and 6 have a row per attack and mode, split into pages of ROWS_PER_PAGE rows
 (`<stem>_page<k>`); `attacks=` keeps only the attacks named, in files named after them
@@ -41,6 +45,7 @@ from pathlib import Path
 from backdoorbench import checks
 from backdoorbench.errors import ConfigError
 from backdoorbench.fileio import ensure_writable_dir
+from backdoorbench.report.fig_detection import detection_roc
 from backdoorbench.report.fig_defenses import (fine_pruning_curves, neural_cleanse_anomaly, reactivation_curves,
                                                strip_histograms)
 from backdoorbench.report.fig_examples import gradcam_heatmaps, trigger_gallery
@@ -86,6 +91,8 @@ FIGURES = (
            "--multirun experiment=clean_budget attack=<name> seed=0,1,2"),
     Figure(10, "ASR vs retuning steps (reactivation)", reactivation_curves,
            "--multirun attack=<name> defense=<name>,<name> eval.reactivation.enabled=true seed=0,1,2"),
+    Figure(11, "ROC curves of the detectors", detection_roc,
+           "--multirun attack=<name> defense=spectral,activation_clustering,strip eval.detection_only=true seed=0,1,2"),
 )
 
 

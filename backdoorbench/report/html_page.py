@@ -1,12 +1,13 @@
-"""The leaderboard as one self-contained HTML page: the defense x attack matrix on top, then the
-tables, sortable by any header, the canonical rows shown by default. No library, no server, no network."""
+"""The leaderboard as one self-contained HTML page: the defense x attack matrix on top, the detection
+board, then the tables, sortable by any header, the canonical rows shown by default. No library, no
+server, no network."""
 
 from __future__ import annotations
 
 import html
 import urllib.parse
 
-from backdoorbench.report import matrix
+from backdoorbench.report import detection, matrix
 from backdoorbench.report.cells import TABLES, cell_text
 from backdoorbench.report.layout import (FOOTNOTE, GLOSSARY, UNITS, by_section, describe_filters, key_columns,
                                          key_values, layout, layout_note)
@@ -103,11 +104,59 @@ def _runs_cell(row: Row) -> str:
             f"<code>{esc(row.command)}</code></div></details>")
 
 
+def _detection_html(rows: list[Row]) -> list[str]:
+    """The detection board: per dataset, protocol and model a sortable table per detector level, every
+    row shown (each is a canonical cell); a row's config names its seeds, records and command."""
+    esc = html.escape
+    definitions = dict(GLOSSARY)
+    found = detection.boards(rows)
+    if not found:
+        return []
+    parts = [f'<section id="detection"><h2>{esc(detection.TITLE)}</h2>', f'<p class="note">{esc(detection.INTRO)}</p>']
+    heading = None
+    for board in found:
+        if board.heading != heading:
+            heading = board.heading
+            parts.append(f"<h3>{esc(heading)}</h3>")
+        shape = detection.shape_of(board)
+        parts += [f"<h4>{esc(detection.LEVELS[board.level])}</h4>"]
+        if shape.note:
+            parts.append(f'<p class="note">{esc(shape.note)}</p>')
+        parts.append(f'<div class="scroll"><table class="sortable detection" data-table="detection-{board.level}">'
+                     "<thead><tr>")
+        for key in shape.keys:
+            kind = "number" if key == "n" else "text"
+            parts.append(f'<th class="text" data-type="{kind}" tabindex="0" '
+                         f'title="{esc(definitions.get(key, definitions["attack"]))}">{esc(key)}</th>')
+        for c in shape.columns:
+            parts.append(f'<th data-type="number" tabindex="0" title="{esc(definitions[_term(c.header)])}">'
+                         f"{esc(c.header)}</th>")
+        parts.append(f'<th class="text" data-type="text" tabindex="0" title="{esc(definitions["config"])}">config</th>')
+        parts.append("</tr></thead><tbody>")
+        for entry in board.entries:
+            keys = entry.keys()
+            parts.append("<tr>")
+            for key in shape.keys:
+                sort = keys[key] if keys[key] != "–" else ""
+                kind = "text setting" if key == "setting" else "text"
+                parts.append(f'<td class="{kind}" data-sort="{esc(sort)}">{esc(keys[key])}</td>')
+            for c in shape.columns:
+                cell = entry.cells.get(c.key)
+                sort = repr(cell.mean) if cell else ""
+                parts.append(f'<td data-sort="{sort}">{esc(cell_text(cell, c, entry.row.n))}</td>')
+            parts.append(f'<td class="text" data-sort="{esc(entry.row.group_id)}">{_runs_cell(entry.row)}</td></tr>')
+        parts.append("</tbody></table></div>")
+    parts.append("</section>")
+    return parts
+
+
 def to_html(rows: list[Row], filters: dict[str, str | None] | None = None, notes: str | None = None) -> str:
     """The page; `notes`, a link relative to the leaderboard folder, names where the commands are told."""
     esc = html.escape
     definitions = dict(GLOSSARY)
-    canonical = sum(r.canonical for r in rows)
+    canonical = sum(r.canonical for r in rows if r.table != "detections")
+    board = _detection_html(rows)
+    listed = sum(r.table != "detections" for r in rows)  # the rows of the tables below: detection-only runs are not
     where = f' The commands that made them: the results folder\'s <a href="{esc(notes)}">README.md</a>.' if notes else ""
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -117,16 +166,18 @@ def to_html(rows: list[Row], filters: dict[str, str | None] | None = None, notes
         f"do not edit.{esc(describe_filters(filters or {}))}{where} Click a column header to sort; click a row's "
         "config for its seeds, records and command.</p>",
         f"<p>{esc(UNITS)}</p>",
-        '<nav><a href="#matrix">Defense x attack matrix</a> · <a href="#tables">All rows, by dataset</a> · '
-        '<a href="#terms">What the columns mean</a></nav>',
+        '<nav><a href="#matrix">Defense x attack matrix</a> · '
+        + ('<a href="#detection">Detection</a> · ' if board else "")
+        + '<a href="#tables">All rows, by dataset</a> · <a href="#terms">What the columns mean</a></nav>',
         *matrix.to_html(rows),
+        *board,
         '<section id="tables"><h2>All rows</h2>',
         '<p class="view">Rows: <label><input type="radio" name="view" value="canonical" checked> canonical '
         f'({canonical}: one per attack x mode at the protocol\'s setting)</label> <label><input type="radio" '
-        f'name="view" value="other"> other settings ({len(rows) - canonical}: sweeps, earlier protocols)</label> '
+        f'name="view" value="other"> other settings ({listed - canonical}: sweeps, earlier protocols)</label> '
         '<label><input type="radio" name="view" value="all"> all</label></p>',
     ]
-    for section, members in by_section(rows).items():
+    for section, members in by_section([r for r in rows if r.table != "detections"]).items():
         parts.append(f"<h2>{esc(section)}</h2>")
         for table, title, _ in TABLES:
             chosen = [r for r in members if r.table == table]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from backdoorbench.report.cells import COLUMNS, FEW_SEEDS, FLAG, Column
 from backdoorbench.report.query import Row
 
-UNITS = ("CA, ASR, RA, benign FP in %; ΔCA vs clean and ASR spread in points; PSNR in dB; SSIM, LPIPS, DER and "
-         "AUROC in [0, 1]; cost in seconds and passes per training image; 'after' = after the defense.")
+UNITS = ("CA, ASR, RA, TPR, FPR, benign FP in %; ΔCA vs clean and ASR spread in points; PSNR in dB; SSIM, LPIPS, "
+         "DER, F1 and AUROC in [0, 1]; cost in seconds and passes per training image; 'after' = after the defense.")
 GLOSSARY = (
     ("CA", "clean accuracy: % of the clean test set classified correctly."),
     ("ASR", "attack success rate: % of the triggered test images whose label differs from the target that are "
@@ -25,6 +25,15 @@ GLOSSARY = (
                      "attacked ASR: it was only hidden. – where the run did not measure it."),
     ("AUROC", "in [0, 1]: how well the defense's scores separate poisoned from clean (training samples for the data "
               "detectors, test inputs for STRIP); 0.5 = chance; – for a defense that does not detect."),
+    ("TPR", "true positive rate, in %, at the detector's own threshold or flags: the share of the poisoned training "
+            "samples it flags (dataset-level detectors) or of the triggered test inputs it rejects (input-level)."),
+    ("FPR", "false positive rate, in %, at the same threshold: the share of the clean training samples flagged, or "
+            "of the clean test inputs rejected."),
+    ("F1", "in [0, 1], at the same threshold: 2 TP / (2 TP + FP + FN), the harmonic mean of precision and recall; "
+           "– for an input detector's record made before F1 was recorded."),
+    ("run", "on the detection board: full (the whole defense ran: retrained on the kept samples, or rejecting "
+            "inputs; the defense table shows it too) or detection only (eval.detection_only=true: scored and "
+            "flagged, nothing retrained; shown on the detection board only)."),
     ("cost", "cost s: the seconds of the defense's own work (not its scoring) on the machine that ran it; the "
              "defense stage's time in older records. Machines differ: passes/img compares across them."),
     ("passes/img", "images passed forward plus backward through the model during the defense, per training image "

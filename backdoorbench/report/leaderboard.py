@@ -1,10 +1,12 @@
 """`python -m backdoorbench.leaderboard [results_dir=DIR] [dataset=..] [model=..] [target_mode=..]`.
 
 Tables built from records only, per dataset and protocol: the defense x attack matrix of canonical
-cells, then (a) attacks x target mode of the runs without a defense (CA, ASR, RA, PSNR, SSIM, LPIPS),
-(b) defenses x attacks (CA and ASR after the defense, DER, detection AUROC where the defense detects,
-ASR after the reactivation stage where measured). Records that differ only in their seed (same
-`group_id`) form one row: mean ± std over seeds, with n, flagged † when n < 3. Different settings
+cells, the detection board (detector x attack: TPR, FPR, F1, AUROC at the detector's own threshold,
+benign FP; report/detection.py), then (a) attacks x target mode of the runs without a defense (CA,
+ASR, RA, PSNR, SSIM, LPIPS), (b) defenses x attacks (CA and ASR after the defense, DER, detection
+AUROC where the defense detects, ASR after the reactivation stage where measured). Records that
+differ only in their seed (same `group_id`) form one row: mean ± std over seeds, with n, flagged †
+when n < 3. Different settings
 of the same attack are different rows, labelled by the method's own values that differ from the
 protocol's defaults (e.g. `poison_rate=0.05`). One row per attack x mode (x defense) is *canonical*,
 the benchmark's protocol setting; the others are sweeps and earlier settings (query.mark_canonical).
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from backdoorbench.errors import ConfigError, UserError
 from backdoorbench.fileio import atomic_write_text, ensure_writable_dir
+from backdoorbench.report import detection
 from backdoorbench.report.csv_table import to_csv
 from backdoorbench.report.derived import build_rows
 from backdoorbench.report.html_page import to_html
@@ -35,7 +38,8 @@ HELP = f"""{USAGE}
 
 Builds the leaderboard from the run records under <results_dir>/runs: one row per setting (the
 mean and spread over its seeds) in <results_dir>/leaderboard/leaderboard.md, leaderboard.html,
-attacks.csv and defenses.csv, opening on the defense x attack matrix; protocols.md holds the
+attacks.csv, defenses.csv and detection.csv, opening on the defense x attack matrix and the detection
+board (each detector x attack at its own threshold: TPR, FPR, F1, AUROC); protocols.md holds the
 reactivation, clean-budget and sensitivity tables. dataset=, model= and target_mode= keep only the
 matching records. results_dir defaults to outputs, where runs write by default; the committed tables
 are results_dir=results."""
@@ -65,8 +69,8 @@ def results_runs(results_dir: str | Path) -> Path:
 def write_leaderboard(results_dir: str | Path, *, dataset: str | None = None, model: str | None = None,
                       target_mode: str | None = None) -> LeaderboardFiles:
     """Build the tables from the records under `<results_dir>/runs/` and write them to
-    `<results_dir>/leaderboard/` (leaderboard.md, leaderboard.html, attacks.csv, defenses.csv, and
-    protocols.md: the reactivation, clean-budget and sensitivity tables)."""
+    `<results_dir>/leaderboard/` (leaderboard.md, leaderboard.html, attacks.csv, defenses.csv,
+    detection.csv, and protocols.md: the reactivation, clean-budget and sensitivity tables)."""
     results_dir = results_runs(results_dir)
     filters = {"dataset": dataset, "model": model, "target_mode": target_mode}
     loaded = load_records_with_paths(results_dir)
@@ -80,10 +84,11 @@ def write_leaderboard(results_dir: str | Path, *, dataset: str | None = None, mo
     notes = "../README.md" if (results_dir / "README.md").is_file() else None
     texts = {"leaderboard.md": to_markdown(rows, filters), "leaderboard.html": to_html(rows, filters, notes),
              "attacks.csv": to_csv(rows, "attacks"), "defenses.csv": to_csv(rows, "defenses"),
-             "protocols.md": protocol_markdown(rows, records)}
+             "detection.csv": detection.to_csv(rows), "protocols.md": protocol_markdown(rows, records)}
     paths = {name: atomic_write_text(out / name, text) for name, text in texts.items()}
     return LeaderboardFiles(markdown=paths["leaderboard.md"], html=paths["leaderboard.html"],
-                            csv={"attacks": paths["attacks.csv"], "defenses": paths["defenses.csv"]},
+                            csv={"attacks": paths["attacks.csv"], "defenses": paths["defenses.csv"],
+                                 "detection": paths["detection.csv"]},
                             n_rows=len(rows), n_records=len(records), protocols=paths["protocols.md"])
 
 
@@ -131,6 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_args(args, {"results_dir": "outputs", **{k: None for k in FILTERS}}, USAGE)
         files = write_leaderboard(options.pop("results_dir"), **options)
         return [f"{files.n_rows} rows from {files.n_records} records -> {files.markdown}, {files.html}, "
-                f"{files.csv['attacks']}, {files.csv['defenses']}, {files.protocols}"]
+                f"{files.csv['attacks']}, {files.csv['defenses']}, {files.csv['detection']}, {files.protocols}"]
 
     return run_command(sys.argv[1:] if argv is None else argv, HELP, work)

@@ -1,9 +1,10 @@
-"""The leaderboard as Markdown: the defense x attack matrix first, then per dataset and protocol the
-attack and defense tables, canonical rows apart from the other settings, and the terms."""
+"""The leaderboard as Markdown: the defense x attack matrix first, the detection board, then per
+dataset and protocol the attack and defense tables, canonical rows apart from the other settings,
+and the terms."""
 
 from __future__ import annotations
 
-from backdoorbench.report import matrix
+from backdoorbench.report import detection, matrix
 from backdoorbench.report.cells import TABLES, cell_text
 from backdoorbench.report.layout import (FOOTNOTE, GLOSSARY, UNITS, Layout, by_section, describe_filters, key_columns,
                                          key_values, layout, layout_note)
@@ -27,7 +28,8 @@ def to_markdown(rows: list[Row], filters: dict[str, str | None] | None = None) -
         "from the other settings (sweeps, earlier protocols); the terms are defined at the end.",
     ]
     lines += matrix.to_markdown(rows)
-    for section, members in by_section(rows).items():
+    lines += detection.to_markdown(rows)
+    for section, members in by_section([r for r in rows if r.table != "detections"]).items():
         lines += ["", f"## {section}"]
         for table, title, _ in TABLES:
             chosen = [r for r in members if r.table == table]

@@ -42,7 +42,7 @@ def grids(rows: list[Row]) -> list[Grid]:
     control); its columns are the attacks a defense met there (all of them where none did)."""
     found: dict[tuple[str, str, str], dict[str, dict[str, Row]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
-        if row.canonical and row.attack != CLEAN_ATTACK:
+        if row.canonical and row.attack != CLEAN_ATTACK and row.table != "detections":  # repair results only
             defense = VICTIM if row.table == "attacks" else row.defense
             found[(row.dataset, row.protocol, row.model)][defense][column_of(row)] = row
     out = []

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from backdoorbench.errors import ConfigError
-from backdoorbench.records import RecordError, RunRecord, latest_repeats, load_record
+from backdoorbench.records import RecordError, RunRecord, latest_repeats, load_record, record_table
 from backdoorbench.run_keys import NON_RESULT_KEYS  # noqa: F401  (derived reads it here)
-from backdoorbench.report.cells import COLUMNS, Cell, NotApplicable, summarize
+from backdoorbench.report.cells import COLUMNS, DETECTION_COLUMNS, Cell, NotApplicable, summarize
 
 TARGET_MODES = ("all2one", "all2all")
 FILTERS = ("dataset", "model", "target_mode")
@@ -41,7 +41,7 @@ def facts(record: RunRecord) -> dict[str, Any]:
 class Row:
     """The records of one setting (the same config but the seed) as one line of a table."""
 
-    table: str  # "attacks" or "defenses"
+    table: str  # "attacks", "defenses" or "detections" (detection-only runs: the detection board's only)
     dataset: str
     model: str
     attack: str
@@ -60,6 +60,7 @@ class Row:
     precision: str = "fp32"  # what its forward passes computed in (computed_precision of its records)
     protocol: str = "quick"  # its training protocol (records from before protocols ran quick)
     facts: dict[str, Any] = field(default_factory=dict)  # its first record's `report`: every seed agrees
+    stage: str = ""  # its defense's stage (pre_train, in_train, post_train, input); "" without a defense
 
     @property
     def n(self) -> int:
@@ -207,20 +208,33 @@ def group_rows(records: list[RunRecord], paths: list[str] | None = None) -> list
         pairs.sort(key=lambda p: (p[0].seed, p[0].run_id))
         members = [r for r, _ in pairs]
         first = members[0]
-        table = "attacks" if first.defense["name"] == "none" else "defenses"
+        table = record_table({"defense": first.defense, "config": first.config})
         row = Row(table=table, dataset=first.dataset["name"], model=first.model["name"], attack=first.attack["name"],
                   target_mode=mode_text(first.attack), defense=first.defense["name"], group_id=group_id,
                   seeds=[r.seed for r in members], config=first.config, run_ids=[r.run_id for r in members],
                   record_paths=[p for _, p in pairs], command=rerun_command(members),
                   created_at=max(r.created_at for r in members),
                   precision="/".join(sorted({computed_precision(r) for r in members})),
-                  protocol=facts(first)["protocol"], facts=facts(first))
+                  protocol=facts(first)["protocol"], facts=facts(first), stage=str(first.defense.get("stage", "")))
         excluded = exclusion(first)  # the same config: every seed agrees
+        # a defense row carries the detection board's cells too (a full run's detection counts there)
+        columns = COLUMNS[table] + (DETECTION_COLUMNS if table == "defenses" else ())
         row.cells = {c.key: NotApplicable(excluded) if excluded is not None
-                     else summarize([c.read(r) for r in members]) for c in COLUMNS[table]}
+                     else summarize([c.read(r) for r in members]) for c in columns}
         row.label = row_label(row)
         rows.append(row)
     return rows
+
+
+def canonical_rank(row: Row) -> tuple:
+    """How a canonical row is chosen among its peers (the highest wins): the most seeds, then at the
+    attack's defaults, then at the defense's defaults of the keys its sensitivity sweep varies, then the
+    setting with the fewest values off the defaults, then the newest."""
+    at_defense_defaults = row.table != "attacks" and bool(row.facts.get("defense_at_defaults"))
+    # then the setting that departs from the defaults in the fewest of the methods' own values
+    departures = sum(len(part) for part in (row.facts.get("setting") or {}).values())
+    return (row.n, bool(row.facts.get("attack_at_defaults")), at_defense_defaults, -departures, row.created_at,
+            row.group_id)
 
 
 def mark_canonical(rows: list[Row], training_key) -> None:
@@ -237,16 +251,8 @@ def mark_canonical(rows: list[Row], training_key) -> None:
         row.canonical = False
         if not (row.table == "attacks" and row.attack == CLEAN_ATTACK):
             peers[row.facts["canonical_key"]].append(row)
-
-    def rank(row: Row) -> tuple:
-        at_defense_defaults = row.table == "defenses" and bool(row.facts.get("defense_at_defaults"))
-        # then the setting that departs from the defaults in the fewest of the methods' own values
-        departures = sum(len(part) for part in (row.facts.get("setting") or {}).values())
-        return (row.n, bool(row.facts.get("attack_at_defaults")), at_defense_defaults, -departures, row.created_at,
-                row.group_id)
-
     for members in peers.values():
-        max(members, key=rank).canonical = True
+        max(members, key=canonical_rank).canonical = True
     compared = {training_key(r) for r in rows if r.canonical and r.table == "attacks"}
     controls: dict[Any, list[Row]] = defaultdict(list)
     for row in rows:
