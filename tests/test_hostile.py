@@ -19,8 +19,13 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from backdoorbench import registry
 from tests import dataset_files as files
 from tests.conftest import run_cli
+
+# The defenses eval.detection_only accepts, as the preflight lists them: every detecting built-in.
+DETECTORS = ", ".join(sorted(name for name in registry.builtin_names("defense")
+                             if name != "none" and registry.method_class("defense", name).is_detector()))
 
 Setup = Callable[[Path], list[str]]
 
@@ -91,7 +96,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("ep bin width 0", fixed("defense=ep", "defense.step=0"), "defense.step=0 is invalid; use a number > 0"),
     ("detection only of a repair", fixed("defense=fine_tuning", "eval.detection_only=true"),
      "eval.detection_only=true needs a detecting defense; defense=fine_tuning (post-train) repairs and detects "
-     "nothing; choose one of: abl, activation_clustering, spectral, strip"),
+     f"nothing; choose one of: {DETECTORS}"),
     ("bnp without clean data", fixed("defense=bnp", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
     ("ft_sam rho 0", fixed("defense=ft_sam", "defense.rho=0"), "defense.rho=0 is invalid; use a number > 0"),
     ("ft_sam label smoothing 1", fixed("defense=ft_sam", "defense.label_smoothing=1"),
@@ -153,7 +158,7 @@ PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["trainer.batch_size=0"], "trainer.batch_size=0 is invalid"),
     (["eval.detection_only=maybe"], "Value 'maybe' is not a valid bool"),
     (["eval.detection_only=true"], "eval.detection_only=true needs a detecting defense, and defense is none; "
-                                   "choose one of: abl, activation_clustering, spectral, strip"),
+                                   f"choose one of: {DETECTORS}"),
     (["defense=nad", "eval.detection_only=true"], "defense=nad (post-train) repairs and detects nothing"),
     # near misses (the suggestion code's own cases are in tests/test_suggest.py)
     (["defense=fp"], "unknown defense 'fp'; did you mean defense=fine_pruning? Or choose one of: abl, "),
