@@ -199,7 +199,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
              cfg.model._target_.rsplit(".", 1)[-1], data.name, attack.name, attack.target_mode,
              defense.name if defense else "none", trainer.device, trainer.precision, protocol, victim_trainer.epochs)
 
-    victim, poisoned, model = obtain_victim(cfg, config, run_id, data, attack, victim_trainer, timings, results_dir)
+    victim, poisoned, model = obtain_victim(
+        cfg, config, run_id, data, attack, victim_trainer, timings, results_dir,
+        clean_model=lambda: clean_control(cfg, config, run_id, data, attack, trainer, results_dir))
     with timed(timings, "eval_attacked"):
         attacked = evaluate(model, trainer, attack, data.test)
     adversarial: dict = {}  # the attacked model's PGD images, kept for eval.pgd.transfer_from=attacked
@@ -279,6 +281,12 @@ def clean_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Ima
                  trainer, results_dir: Path) -> Normalized:
     """The `attack=none` victim of the run's setting (same dataset, model, trainer, seed, target rule):
     from the victim cache, or trained here and cached, as `python -m backdoorbench attack=none` would."""
+    return clean_control(cfg, config, run_id, data, attack, trainer, results_dir)[0]
+
+
+def clean_control(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack,
+                  trainer, results_dir: Path) -> tuple[Normalized, dict[str, Any]]:
+    """`clean_victim`, with its `victim` block (cache hit, miss or off; its key) for a record to cite."""
     clean_attack = {"_target_": "backdoorbench.attacks.none.NoAttack", "target_mode": attack.target_mode,
                     "target": cfg.attack.get("target", 0) if cfg.attack.get("target") is not None else 0,
                     "poison_rate": None}
@@ -288,10 +296,10 @@ def clean_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Ima
     on_epoch, trainer.on_epoch = trainer.on_epoch, None  # its epochs are not this run's
     try:
         with torch.random.fork_rng(devices=[]):  # the run's own draws stay as without the probe
-            _, _, model = obtain_victim(clean_cfg, clean_config, f"{run_id}-clean", data, none, trainer, {}, results_dir)
+            block, _, model = obtain_victim(clean_cfg, clean_config, f"{run_id}-clean", data, none, trainer, {}, results_dir)
     finally:
         trainer.on_epoch = on_epoch
-    return model
+    return model, block
 
 
 def run_reactivation(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack, trainer,

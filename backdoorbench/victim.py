@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,14 @@ def remove_checkpoints(folder: Path) -> None:
 PREPARE_FORMAT = "backdoorbench.prepare_checkpoint.v1"
 
 
-def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generator: torch.Generator, build_model) -> None:
+def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generator: torch.Generator, build_model,
+                   clean_model: Callable[[], tuple[Any, dict[str, Any]]] | None = None) -> None:
     """`attack.prepare(...)`, or its result restored from `checkpoint` when a killed run already
     computed it (e.g. Input-aware's mask pre-training). What prepare leaves behind (its result,
     the global RNG state that the victim's initialization draws from next, its logged epochs) is
-    saved there when the attack has a `prepare_state`, so the resumed run goes on exactly."""
+    saved there when the attack has a `prepare_state`, so the resumed run goes on exactly.
+    `clean_model` (the run's clean control and its cache block) goes to an attack that
+    `uses_clean_control`."""
     where = f"checkpoint {str(checkpoint)!r}"
     if checkpoint.exists():
         try:
@@ -58,7 +62,8 @@ def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generato
                 trainer.on_epoch(row)  # the killed run's logger never wrote them
         log.info("%s: preparation restored from %s", attack.name, checkpoint)
         return
-    attack.prepare(trainer=trainer, train=train, generator=generator, build_model=build_model)
+    extra = {"clean_model": clean_model} if clean_model is not None and attack.uses_clean_control else {}
+    attack.prepare(trainer=trainer, train=train, generator=generator, build_model=build_model, **extra)
     prepared = attack.prepare_state()
     if prepared is not None and distributed.is_main():
         atomic_torch_save({"format": PREPARE_FORMAT, "attack_name": attack.name, "attack": prepared,
@@ -66,9 +71,11 @@ def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generato
 
 
 def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: ImageDataset, attack: Attack,
-                  trainer, timings: dict[str, float], results_dir: Path) -> tuple[dict[str, Any], Any, Normalized]:
+                  trainer, timings: dict[str, float], results_dir: Path,
+                  clean_model: Callable[[], tuple[Any, dict[str, Any]]] | None = None) -> tuple[dict[str, Any], Any, Normalized]:
     """The attacked model: from the victim cache when an identical one was trained before (the
     attack's state restored with it), else prepared, poisoned and trained here (and cached).
+    `clean_model`: the run's clean control, for an attack whose preparation reads it (LF).
     Returns (the record's `victim` block, the poisoned training data, the model)."""
     seed = cfg.seed
     key = victim_key(config, trainer.device)
@@ -95,7 +102,8 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
         checkpoints = results_dir / "checkpoints" / (key if cache is not None else run_id)
         with timed(timings, "poison"):
             prepare_attack(attack, checkpoints / "prepare.pt", trainer=trainer, train=data.train,
-                           generator=stream(seed, "attack"), build_model=lambda **kwargs: build_model(cfg, data, **kwargs))
+                           generator=stream(seed, "attack"), build_model=lambda **kwargs: build_model(cfg, data, **kwargs),
+                           clean_model=clean_model)
             poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
         model = build_model(cfg, data)  # after prepare, as without a cache: the same global RNG draws
         with timed(timings, "train"):

@@ -39,6 +39,12 @@ def text_file_as_pattern(tmp: Path) -> list[str]:
     return ["attack=blended", f"attack.pattern={tmp / 'pattern.png'}"]
 
 
+def lf_resource_of_another_dataset(tmp: Path) -> list[str]:
+    """BackdoorBench's CIFAR-10 LF perturbation (uint8, 32x32x3) given for 28x28x1 MNIST."""
+    np.save(tmp / "cifar10_preactresnet18_0_255.npy", np.zeros((32, 32, 3), dtype=np.uint8))
+    return ["attack=lf", f"attack.resource={tmp / 'cifar10_preactresnet18_0_255.npy'}"]
+
+
 def mnist_root_with(tmp: Path, *, images: np.ndarray | None = None, labels: np.ndarray | None = None) -> list[str]:
     """A tiny MNIST in the real IDX format whose train images or labels are then replaced."""
     root = tmp / "data"
@@ -92,6 +98,8 @@ CASES: list[tuple[str, Setup, str]] = [
     ("lira eps above 1", fixed("attack=lira", "attack.eps=2"), "attack.eps=2 is out of range; use a number in (0.0, 1.0]"),
     ("lira test eps", fixed("attack=lira", "attack.test_eps=1.5"), "attack.test_eps=1.5 is out of range"),
     ("wb eps negative", fixed("attack=wb", "attack.eps=-0.1"), "attack.eps=-0.1 is out of range"),
+    ("blind pattern outside the image", fixed("attack=blind", "attack.location=[3,26]"),
+     "attack.location=[3, 26] puts the 5x3 pattern outside 28x28 images; use a row in [0, 23] and a column in [0, 25]"),
     ("pgd eps negative", fixed("eval.pgd.enabled=true", "eval.pgd.eps=-1"), "eval.pgd.eps=-1.0 is out of range"),
     ("ep bin width 0", fixed("defense=ep", "defense.step=0"), "defense.step=0 is invalid; use a number > 0"),
     ("detection only of a repair", fixed("defense=fine_tuning", "eval.detection_only=true"),
@@ -127,6 +135,8 @@ CASES: list[tuple[str, Setup, str]] = [
     ("pattern file missing", fixed("attack=blended", "attack.pattern=/no/such/file.png"),
      "pattern '/no/such/file.png' is neither"),
     ("pattern file not an image", text_file_as_pattern, "pattern.png' is not a readable image"),
+    ("lf perturbation of another dataset", lf_resource_of_another_dataset,
+     "cifar10_preactresnet18_0_255.npy' has shape (32, 32, 3); expected (28, 28, 1)"),
     ("dataset of the wrong shape", mnist_wrong_shape, "images are 27x27, expected 28x28"),
     ("dataset labels out of range", mnist_label_out_of_range, "train labels span [3, 12], expected [0, 9]"),
     # training
@@ -158,6 +168,9 @@ PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["dataset=cifar10", "attack=wanet", "attack.k=33"], "attack.k=33 is out of range; use an integer in [2, 32]"),
     (["dataset=tiny_imagenet", "attack.target=200"], "attack.target=200 is out of range; use an integer in [0, 199]"),
     (["attack=input_aware", "attack.depth=3"], "attack.depth=3 does not fit 28x28 images"),
+    (["attack=blind", "attack.mgda_normalize=L2"], "attack.mgda_normalize='L2' is unknown; choose one of: loss+, loss, l2, none"),
+    (["attack=lf", "attack.sigma=0"], "attack.sigma=0 is invalid; use a number > 0"),
+    (["attack=lf", "attack.resource=/no/such/lf.npy"], "attack.resource='/no/such/lf.npy' does not exist"),
     (["model=timm", "model.name=resnet18", "model.weights=/no/such/weights.pt"], "model.weights='/no/such/weights.pt' does not exist"),
     (["trainer.batch_size=0"], "trainer.batch_size=0 is invalid"),
     (["eval.detection_only=maybe"], "Value 'maybe' is not a valid bool"),

@@ -80,13 +80,15 @@ def test_sigkill_mid_training_then_rerun_resumes_to_the_same_metrics(tmp_path):
 # Training-controlled attacks: their generator, its optimizer and their per-batch stream are in each
 # epoch checkpoint, and what `prepare` computed (Input-aware's mask) in its own file. Each case is
 # killed once the named checkpoint file exists: LIRA in stage I, WB in stage II (stage I done),
-# Input-aware after its mask pre-training and one victim epoch, WaNet after one victim epoch.
+# Input-aware after its mask pre-training and one victim epoch, WaNet and Blind after one victim epoch.
 ATTACK_SETTING = ("trainer.epochs=2", "dataset.test_per_class=450", "eval.stealth_images=0", "trainer.progress=false")
 ATTACK_CASES = {
     "wanet": (["attack=wanet", "trainer.rotation=10"], "victim.pt"),  # poisoned, then cropped and rotated
     "input_aware": (["attack=input_aware", "attack.mask_epochs=1", "attack.channels=4", "attack.depth=1"], "victim.pt"),
     "lira": (["attack=lira", "attack.stage1_epochs=2", "attack.generator_width=4"], "victim.stage1.pt"),
     "wb": (["attack=wb", "attack.stage1_epochs=1", "attack.generator_width=4"], "victim.pt"),
+    # the clean-loss history of the last 3 batches decides each batch (of 4 an epoch); it is in the checkpoint
+    "blind": (["attack=blind", "attack.loss_threshold=2.5", "attack.batch_history_len=3"], "victim.pt"),
 }
 
 

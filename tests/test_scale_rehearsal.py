@@ -28,7 +28,7 @@ refused where the target class is under 10% of it). Only the model is not the de
 small CNN (`model=mnist_cnn`, 32 hidden units) takes every shape here and keeps the runs short.
 The quick suite runs the cheap attacks on mnist and gtsrb and one of each kind on tiny_imagenet
 (~20 s); the attacks that train a surrogate or a trigger generator (label_consistent, trojannn,
-input_aware, lira, wb), the other 64 px runs and every all2all run are marked slow.
+input_aware, lira, wb, lf), the other 64 px runs and every all2all run are marked slow.
 """
 
 from __future__ import annotations
@@ -136,6 +136,10 @@ TINY_STEP = {"input_aware": ["attack.mask_epochs=1"],
              "lira": ["attack.stage1_epochs=1"], "wb": ["attack.stage1_epochs=1"],
              "label_consistent": ["attack.surrogate_epochs=1", "attack.surrogate_adv_steps=2", "attack.pgd_steps=10"],
              "trojannn": ["attack.surrogate_epochs=1", "attack.trigger_steps=50"],
+             # 5 surrogate epochs: after 1, DeepFool reaches the target on no image of the 200-class fixture
+             "lf": ["attack.surrogate_epochs=5", "attack.max_passes=1", "attack.craft_images=10"],
+             # the backdoor loss from the first batch (the default waits for 1,000 batches of clean loss)
+             "blind": ["attack.loss_threshold=null"],
              # the paper's 0.003 payload and cover (protocol backdoorbench) poison none of these tens of images
              "adaptive_blend": ["attack.poison_rate=0.1", "attack.cover_rate=0.1"]}
 
@@ -240,6 +244,10 @@ def check_training_steps(attack, recorder: StepRecorder) -> None:
         if attack.name in ("lira", "wb"):  # clean rows, then the triggered copies of the first ones
             count = max(1, round(attack.poison_rate * len(y)))
             assert torch.equal(scored[: len(y)], y) and torch.equal(scored[len(y):], attack.target_rule(y[:count]))
+        elif attack.name == "blind":  # the clean batch, then its copy with round(rate * B) rows triggered
+            count = min(len(y), round(attack.poison_rate * len(y)))
+            assert torch.equal(scored[: len(y)], y) and len(scored) == 2 * len(y)
+            assert torch.equal(scored[len(y):], torch.cat([attack.target_rule(y[:count]), y[count:]]))
         elif attack.name == "wanet":  # poisoned before augmentation (the poison hook); plain CE in the step
             assert torch.equal(scored, y)
         elif attack.name == "input_aware":  # int(rate * B) rows go to the target rule (the official floor)
@@ -271,7 +279,7 @@ def check_trigger(attack, data, poisoned) -> None:
     assert bool((diff.flatten(1).amax(1) > 0).all()), "the trigger left a test image unchanged"
     _, height, width = data.image_shape
     name = attack.name
-    if name in ("badnets", "trojannn"):  # a patch: nothing outside it changes
+    if name in ("badnets", "trojannn", "blind"):  # a patch: nothing outside it changes
         assert float(diff[..., ~attack.patch_mask()].max()) == 0
     elif name == "blended":
         assert torch.allclose(xt, (1 - attack.alpha) * x + attack.alpha * attack.pattern, atol=1e-6)
@@ -302,6 +310,9 @@ def check_trigger(attack, data, poisoned) -> None:
         with torch.no_grad():
             masks = attack.masks(x)
         assert bool((diff <= masks + 1e-6).all())
+    elif name == "lf":  # one smooth perturbation in [0, magnitude], added to every image and clipped
+        assert float(attack.pattern.min()) >= 0 and float(attack.pattern.max()) <= attack.magnitude + 1e-6
+        assert torch.allclose(xt, (x + attack.pattern).clamp(0, 1), atol=1e-6)
     elif name in ("lira", "wb"):  # eps-bounded noise (test_eps) in pixel units
         assert float(diff.max()) <= attack.test_eps + 1e-6
     elif name in ("ftrojan", "ctrl"):  # the change's spectrum peaks at the bumped coefficients of each tile
@@ -342,7 +353,7 @@ def slow(dataset: str, attack: str) -> bool:
 
 def test_the_cost_lists_are_read_from_the_classes():
     """SLOW is the attacks that learn their trigger; QUICK_AT_64PX one attack of each kind."""
-    assert SLOW == {"label_consistent", "trojannn", "input_aware", "lira", "wb"}  # the five that train networks
+    assert SLOW == {"label_consistent", "trojannn", "input_aware", "lira", "wb", "lf"}  # the six that train networks
     assert len(QUICK_AT_64PX) == 3 and not QUICK_AT_64PX & SLOW
     assert CLEAN_LABEL == {"sig", "label_consistent", "refool", "ctrl"}  # read from the classes: the four clean-label papers
 

@@ -367,9 +367,9 @@ def test_the_pipeline_trains_the_victim_with_victim_trainer_and_defends_with_tra
     seen = {}
     obtain, defend = pipeline.obtain_victim, pipeline.defend
 
-    def spy_obtain(cfg, config, run_id, data, attack, trainer, *rest):
+    def spy_obtain(cfg, config, run_id, data, attack, trainer, *rest, **kwargs):
         seen["victim"] = (trainer.schedule_name, trainer.epochs)
-        return obtain(cfg, config, run_id, data, attack, trainer, *rest)
+        return obtain(cfg, config, run_id, data, attack, trainer, *rest, **kwargs)
 
     def spy_defend(cfg, defense, excluded, attack, data, trainer, *rest):
         seen["defense"] = (trainer.schedule_name, trainer.epochs)

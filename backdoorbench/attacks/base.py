@@ -81,6 +81,10 @@ class Attack:
     # The lowest precision whose rounding leaves the trigger's effect intact: trainer.precision=auto
     # runs the whole run in it on CUDA (backdoorbench/precision.py). bf16 keeps 8 significant bits.
     min_precision: ClassVar[str] = "bf16"
+    # True where `prepare` takes `clean_model=`: a callable returning the run's clean control (the
+    # `attack=none` victim of the same setting, from the victim cache) and its cache block, for an
+    # attack that crafts its trigger on a clean model (LF), as BackdoorBench's pre-made triggers are.
+    uses_clean_control: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -165,7 +169,8 @@ class Attack:
     ) -> None:
         """Work before poisoning, called once per run: e.g. training a clean surrogate
         (`build_model()` gives a fresh model of the run's architecture) for Label-Consistent or
-        TrojanNN, or Input-aware's mask pre-training. Nothing by default."""
+        TrojanNN, or Input-aware's mask pre-training. An attack with `uses_clean_control` also gets
+        `clean_model=` where the pipeline offers one. Nothing by default."""
 
     def train_victim(
         self,
