@@ -215,6 +215,25 @@ class Attack:
         }
 
 
+
+class SurrogateCrafted:
+    """`prepare_state` / `load_prepare_state` of an attack that crafts its trigger on a surrogate in
+    `prepare` (TrojanNN, LF): the crafted trigger (its `state_dict`), what the record says of it
+    (`stats`) and the surrogate's epoch rows (`_surrogate_history`), so that a killed run crafts
+    nothing again. Put it before `Attack` in the bases."""
+
+    stats: dict[str, Any]
+    _surrogate_history: list[dict[str, Any]]
+
+    def prepare_state(self) -> dict[str, Any]:
+        return {**self.state_dict(), "stats": dict(self.stats), "history": list(self._surrogate_history)}
+
+    def load_prepare_state(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state)
+        self.stats = dict(state.get("stats", {}))
+        self._surrogate_history = list(state.get("history", []))
+
+
 class TrainingAttack(Attack):
     """Base of training-controlled attacks (WaNet, Input-aware, LIRA, WB): they leave the training
     set clean and poison a `poison_rate` fraction of every batch inside their own training step.

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backdoorbench import checks
-from backdoorbench.attacks.base import Attack
+from backdoorbench.attacks.base import Attack, SurrogateCrafted
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.progress import track
@@ -125,7 +125,7 @@ def file_sha256(path: str) -> str:
     return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
 
 
-class LowFrequency(Attack):
+class LowFrequency(SurrogateCrafted, Attack):
     """LF (Zeng, Park, Mao, Jia, "Rethinking the Backdoor Attacks' Triggers: A Frequency
     Perspective", ICCV 2021; official code YiZeng623/frequency-backdoor, Sec5_Smooth_Trigger).
 
@@ -294,16 +294,6 @@ class LowFrequency(Attack):
             got = tuple(pattern.shape) if isinstance(pattern, Tensor) else type(pattern).__name__
             raise DataError(f"lf state has a perturbation of shape {got}; expected {self.image_shape}")
         self.pattern = pattern.detach().float().cpu().clone()
-
-    def prepare_state(self) -> dict[str, Any]:
-        """The crafted perturbation, what the record says of it and the surrogate's epoch rows: a
-        killed run does not craft it again."""
-        return {**self.state_dict(), "stats": dict(self.stats), "history": list(self._surrogate_history)}
-
-    def load_prepare_state(self, state: dict[str, Any]) -> None:
-        self.load_state_dict(state)
-        self.stats = dict(state.get("stats", {}))
-        self._surrogate_history = list(state.get("history", []))
 
     def describe(self) -> dict:
         return {

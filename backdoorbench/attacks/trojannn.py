@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from backdoorbench import checks
 from backdoorbench.attacks.badnets import _patch_origin
-from backdoorbench.attacks.base import Attack
+from backdoorbench.attacks.base import Attack, SurrogateCrafted
 from backdoorbench.attacks.patterns import load_pattern
 from backdoorbench.datasets.base import Split
 from backdoorbench.errors import ConfigError
@@ -32,7 +32,7 @@ OFFICIAL_SIZE = 224
 OFFICIAL_SQUARE = (145, 204)
 
 
-class TrojanNN(Attack):
+class TrojanNN(SurrogateCrafted, Attack):
     """TrojanNN (Liu, Ma, Aafer, Lee, Zhai, Wang, Zhang, "Trojaning Attack on Neural Networks",
     NDSS 2018).
 
@@ -273,16 +273,6 @@ class TrojanNN(Attack):
                               f"expected {self.image_shape}")
         self.pattern = pattern.float().clamp(0.0, 1.0) * self.keep
         self.neurons = state.get("neurons")
-
-    def prepare_state(self) -> dict[str, Any]:
-        """The optimized trigger, what the record says of it and the surrogate's epoch rows: a killed
-        run does not train the surrogate again."""
-        return {**self.state_dict(), "stats": dict(self.stats), "history": list(self._surrogate_history)}
-
-    def load_prepare_state(self, state: dict[str, Any]) -> None:
-        self.load_state_dict(state)
-        self.stats = dict(state.get("stats", {}))
-        self._surrogate_history = list(state.get("history", []))
 
     def describe(self) -> dict:
         return {
