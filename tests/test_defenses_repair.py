@@ -577,11 +577,13 @@ def test_abl_isolation_is_its_detection_scored_by_the_runner_and_detection_only_
     detection = full.detection
     is_poisoned = full.artifacts[DETECTION_TRUTH]
     caught = int((full.artifacts[DETECTION_FLAGGED] & is_poisoned).sum())
-    assert int(is_poisoned.sum()) == len(backdoor.poisoned.indices) == 200 and caught >= 18  # 20 isolated, >= 90% poison
+    assert int(is_poisoned.sum()) == len(backdoor.poisoned.indices) == 200 and caught >= 12
+    # 20 isolated, 14 of them poisoned in the official fixed order (10% of the set is): 0.78 AUROC
     assert detection["tpr"] == caught / 200 and detection["fpr"] == (20 - caught) / 1800
     assert detection["f1"] == pytest.approx(2 * caught / (20 + 200)) and detection["n_flagged"] == 20
     assert detection["auroc"] == pytest.approx(auroc(full.artifacts[DETECTION_SCORES], is_poisoned))
-    assert detection["auroc"] > 0.9  # the poison's loss is the lowest: higher score, more suspicious
+    # the poison's loss is the lowest: higher score, more suspicious (a wrong orientation gives AUROC < 0.5)
+    assert detection["auroc"] > 0.7
     assert full.model is not None and set(full.defended) == {"clean_acc", "asr", "ra"}
 
     phases = []
@@ -611,8 +613,11 @@ def test_abl_unlearning_raises_the_loss_of_the_backdoored_samples(backdoor):
         # ABL builds a fresh model: seed its init rather than inherit the stream the tests before left.
         # Seeds 1, 2, 3 raise the loss > 5x; seed 0 only 1.7x (0.054 vs 0.032): a single-model check.
         torch.manual_seed(1)
+        # isolation_shuffle: a new order each epoch isolates >= 18 poisoned of 20 on this toy set (the fixed
+        # order 14); the unlearning is what is tested.
         defense = AntiBackdoorLearning(isolation_epochs=2, finetune_epochs=1, unlearn_epochs=unlearn_epochs,
-                                       unlearn_lr=1e-2, lr=0.05)  # the official 0.1 is for CIFAR-scale nets
+                                       unlearn_lr=1e-2, lr=0.05,  # the official 0.1 is for CIFAR-scale nets
+                                       isolation_shuffle=True)
         return defense.apply(backdoor.ctx())
 
     kept, unlearned = run(0), run(10)  # same seed: identical until the unlearning phase

@@ -225,7 +225,7 @@ class LowFrequency(SurrogateCrafted, Attack):
             model = build_model()
             history = trainer.fit(model, train, generator=generator, epochs=self.surrogate_epochs, desc="surrogate")
             self._surrogate_history = list(history or [])
-            self.stats = {"surrogate": "trained", "surrogate_epochs": self.surrogate_epochs or trainer.epochs}
+            self.stats = {"surrogate": "trained", "surrogate_epochs": len(self._surrogate_history)}  # the epochs it ran
         model = model.to(trainer.device)
         pick = torch.randperm(len(train), generator=generator)[: self.craft_images]
         images = to_float(train.images[pick]).to(trainer.device)
