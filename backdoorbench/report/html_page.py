@@ -124,14 +124,7 @@ def _detection_html(rows: list[Row]) -> list[str]:
             parts.append(f'<p class="note">{esc(shape.note)}</p>')
         parts.append(f'<div class="scroll"><table class="sortable detection" data-table="detection-{board.level}">'
                      "<thead><tr>")
-        for key in shape.keys:
-            kind = "number" if key == "n" else "text"
-            parts.append(f'<th class="text" data-type="{kind}" tabindex="0" '
-                         f'title="{esc(definitions.get(key, definitions["attack"]))}">{esc(key)}</th>')
-        for c in shape.columns:
-            parts.append(f'<th data-type="number" tabindex="0" title="{esc(definitions[_term(c.header)])}">'
-                         f"{esc(c.header)}</th>")
-        parts.append(f'<th class="text" data-type="text" tabindex="0" title="{esc(definitions["config"])}">config</th>')
+        parts += header_cells(shape, definitions)
         parts.append("</tr></thead><tbody>")
         for entry in board.entries:
             keys = entry.keys()
@@ -188,14 +181,7 @@ def to_html(rows: list[Row], filters: dict[str, str | None] | None = None, notes
             note = f"Canonical rows: {n_canonical}, others: {len(chosen) - n_canonical}. " + layout_note(shape)
             parts += [f"<h3>{esc(title)}</h3>", f'<p class="note">{esc(note)}</p>',
                       f'<div class="scroll"><table class="sortable" data-table="{table}"><thead><tr>']
-            for key in shape.keys:
-                kind = "number" if key == "n" else "text"
-                parts.append(f'<th class="text" data-type="{kind}" tabindex="0" '
-                             f'title="{esc(definitions.get(key, definitions["attack"]))}">{esc(key)}</th>')
-            for c in shape.columns:
-                parts.append(f'<th data-type="number" tabindex="0" title="{esc(definitions[_term(c.header)])}">'
-                             f"{esc(c.header)}</th>")
-            parts.append(f'<th class="text" data-type="text" tabindex="0" title="{esc(definitions["config"])}">config</th>')
+            parts += header_cells(shape, definitions)
             parts.append("</tr></thead><tbody>")
             for row in chosen:
                 parts.append(f'<tr id="row-{esc(row.group_id)}" class="{"canonical" if row.canonical else "other"}">')
@@ -218,3 +204,19 @@ def to_html(rows: list[Row], filters: dict[str, str | None] | None = None, notes
               *(f"<dt>{esc(term)}</dt><dd>{esc(text)}</dd>" for term, text in GLOSSARY),
               "</dl></section>", f"<script>{SORT_SCRIPT}</script>", "</body></html>", ""]
     return "\n".join(parts)
+
+
+def header_cells(shape, definitions: dict[str, str]) -> list[str]:
+    """The <th> cells of a sortable table: its key columns, its value columns, then config, each
+    titled with its definition."""
+    esc = html.escape
+    cells = []
+    for key in shape.keys:
+        kind = "number" if key == "n" else "text"
+        cells.append(f'<th class="text" data-type="{kind}" tabindex="0" '
+                     f'title="{esc(definitions.get(key, definitions["attack"]))}">{esc(key)}</th>')
+    for c in shape.columns:
+        cells.append(f'<th data-type="number" tabindex="0" title="{esc(definitions[_term(c.header)])}">'
+                     f"{esc(c.header)}</th>")
+    cells.append(f'<th class="text" data-type="text" tabindex="0" title="{esc(definitions["config"])}">config</th>')
+    return cells
