@@ -21,6 +21,7 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.models.base import ImageClassifier, Normalized
 from tests.test_defenses_detect import quadrant_data, tiny_trainer
+from tests.tiny import ZOO
 
 
 # ---- the Gram feature and the deviation ---------------------------------------------------------
@@ -121,7 +122,6 @@ def test_the_anomaly_index_is_the_official_with_numpys_median():
 
 class TwoStageNet(ImageClassifier):
     """Two conv stages, so Beatrix's map (the last stage's input) is the first stage's output."""
-
     name = "two_stage"
 
     def __init__(self, num_classes: int = 2, **_):
@@ -198,9 +198,6 @@ def test_beatrix_config_errors():
 
 
 # ---- the scale rehearsal: the zoo at 10, 43 and 200 classes, 28, 32 and 64 px ---------------------
-
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
 
 
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])

@@ -27,6 +27,7 @@ from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.train import Trainer
 from tests.tiny import make_model, one_thread  # noqa: F401  (autouse fixture)
+from tests.tiny import ZOO
 
 # ---------------------------------------------------------------------------------------------- FCT
 
@@ -57,7 +58,6 @@ def test_the_rotation_is_pils_and_the_shift_whole_pixels():
 
 class Pixels(nn.Module):
     """A 'model' whose penultimate features are its [0, 1] pixels, flattened."""
-
     def __init__(self):
         super().__init__()
         self.classifier = nn.Linear(4, 2)
@@ -325,10 +325,6 @@ def test_d_st_detects_with_its_split_and_trains_a_model_that_classifies():
 
 
 # ----------------------------------------------------------------------------- the zoo, bad values
-
-
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
 
 
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])

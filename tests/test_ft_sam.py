@@ -18,6 +18,7 @@ from backdoorbench.defenses.ft_sam import FTSAM, SharpnessAwareStep, sharpness_p
 from backdoorbench.errors import ConfigError
 from backdoorbench.train import Trainer
 from tests.tiny import one_thread  # noqa: F401  (autouse fixture)
+from tests.tiny import ZOO, zoo_model
 
 K = 3  # classes
 
@@ -208,24 +209,11 @@ def test_an_empty_clean_subset_is_one_line():
 
 # The scale rehearsal: every model of the zoo at 10, 43 and 200 classes and 28, 32 and 64 px, small
 # widths: one FT-SAM epoch through the trainer moves the weights and leaves a model that classifies.
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
 
 
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_the_zoo(name, shape, classes, kwargs):
-    from pathlib import Path
-
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-    from backdoorbench.models.base import Normalized
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     clean = split(8, shape, classes)
     trainer = Trainer(epochs=1, batch_size=4, crop_padding=2, progress=False)
     result = FTSAM(epochs=1).apply(context(model, clean, trainer, classes))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +21,7 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.models.base import ImageClassifier, Normalized
 from tests.test_defenses_detect import SHAPE, context, tiny_trainer
+from tests.tiny import ZOO, zoo_model
 
 
 class BatchNormChain(nn.Module):
@@ -105,7 +105,6 @@ def test_the_model_given_to_the_detector_is_left_as_it_was():
 
 class DeepTiny(ImageClassifier):
     """Six conv / batch-norm / ReLU layers of 8 channels, pooled to 2x2, a hidden layer, a head."""
-
     name = "deep_tiny"
 
     def __init__(self, num_classes: int = 4, width: int = 8, depth: int = 6):
@@ -200,21 +199,9 @@ def test_a_model_without_batch_norm_is_refused_by_the_preflight_before_data_load
         validation.validate_config(compose_cfg("defense=ibd_psc"))
 
 
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
-
-
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_ibd_psc_amplifies_the_batch_norms_of_every_model_of_the_zoo(name, shape, classes, kwargs):
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (6, *shape), dtype=torch.uint8, generator=g)

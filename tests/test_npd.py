@@ -6,7 +6,6 @@ the same layer on clean data alone leaves whole."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,18 +22,11 @@ from backdoorbench.models.base import Normalized
 from backdoorbench.models.mnist_cnn import MnistCNN
 from backdoorbench.train.trainer import Trainer
 from tests.tiny import one_thread  # noqa: F401  (autouse)
+from tests.tiny import ZOO, zoo_model
 
 
 def build(name: str, shape: tuple[int, int, int], classes: int, **kwargs) -> Normalized:
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    return Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    return zoo_model(name, shape, classes, kwargs)
 
 
 def test_the_polarizer_goes_before_the_official_layer_and_starts_as_the_identity():
@@ -232,10 +224,6 @@ def test_npd_trains_only_the_polarizer_and_removes_the_planted_backdoor(backdoor
     control = NeuralPolarizerDefense(epochs=6, batch_size=64, adversarial_weight=0.0, top_class_weight=0.0,
                                      target_weight=0.0).apply(ctx).model
     assert ca_asr(control, test)[1] >= 0.9
-
-
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
 
 
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])

@@ -17,6 +17,7 @@ from backdoorbench.defenses.bnp import BatchNormPruning
 from backdoorbench.defenses.ep import EntropyPruning
 from backdoorbench.defenses.pre_activation import gaussian_kl, histogram_entropy
 from backdoorbench.errors import ConfigError, DataError
+from tests.tiny import ZOO, zoo_model
 
 CHANNELS = 16
 
@@ -178,24 +179,11 @@ def test_a_constant_channel_is_left_unscored():
 
 # The scale rehearsal: every model of the zoo with batch norm, at 10, 43 and 200 classes and 28, 32 and
 # 64 px: both defenses score every BatchNorm2d from one batch and leave a model that still classifies.
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
 
 
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_both_defenses_score_every_batch_norm_of_the_zoo(name, shape, classes, kwargs):
-    from pathlib import Path
-
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-    from backdoorbench.models.base import Normalized
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (24, *shape), dtype=torch.uint8, generator=g)

@@ -16,6 +16,7 @@ from backdoorbench.defenses.base import DefenseContext
 from backdoorbench.defenses.rnp import ReconstructiveNeuronPruning, attach_bn_masks
 from backdoorbench.errors import ConfigError
 from backdoorbench.train import Trainer
+from tests.tiny import ZOO, zoo_model
 
 CLASSES = 9  # a 3 x 3 grid of cells: class k brightens cell k of the first plane
 # The seed of the victim and its data. Gradient ascent is chaotic: victims of other seeds stop earlier
@@ -233,24 +234,9 @@ def test_a_model_without_batch_norm_is_refused_by_the_preflight_before_data_load
         validation.validate_config(compose_cfg("defense=rnp"))
 
 
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
-
-
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_rnp_masks_every_batch_norm_of_the_zoo(name, shape, classes, kwargs):
-    from pathlib import Path
-
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-    from backdoorbench.models.base import Normalized
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     g = torch.Generator().manual_seed(0)
     data = Split(torch.randint(0, 256, (8, *shape), dtype=torch.uint8, generator=g),

@@ -17,6 +17,7 @@ from backdoorbench.datasets.base import Split
 from backdoorbench.defenses.base import DefenseContext
 from backdoorbench.defenses.sau import SharedAdversarialUnlearning, project, shared_attack_objective, unlearning_loss
 from backdoorbench.errors import ConfigError
+from tests.tiny import ZOO, zoo_model
 
 CLASSES, SIDE = 10, 8
 
@@ -285,24 +286,11 @@ def test_bad_values_are_one_config_error(make, message):
 
 # The scale rehearsal: every model of the zoo, at 10, 43 and 200 classes and 28, 32 and 64 px: one epoch
 # of SAU runs and leaves a model that still classifies, the victim untouched.
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
 
 
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_one_epoch_runs_on_every_model_of_the_zoo(name, shape, classes, kwargs):
-    from pathlib import Path
-
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-    from backdoorbench.models.base import Normalized
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (8, *shape), dtype=torch.uint8, generator=g)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,13 +21,13 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.models.base import Normalized
 from tests.test_defenses_detect import SHAPE, TinyNet, context, quadrant_data, tiny_trainer
+from tests.tiny import ZOO, zoo_model
 
 OFFICIAL_SCALES = [3.0, 5.0, 7.0, 9.0, 11.0]
 
 
 class NearestBrightness(nn.Module):
     """Class = the centre nearest the image's mean pixel: 0.15 (class 0), 0.45 (1), 0.8 (2)."""
-
     centres = torch.tensor([0.15, 0.45, 0.8])
 
     def forward(self, x):
@@ -58,7 +57,6 @@ def test_the_spc_of_hand_made_inputs_is_the_hand_computed_share():
 
 class Recorder(nn.Module):
     """Records what it is given; its logits are irrelevant here."""
-
     def __init__(self):
         super().__init__()
         self.seen: list[torch.Tensor] = []
@@ -167,21 +165,9 @@ def test_bad_values_are_refused_in_one_line():
         ScaleUp(standardize=True, clean_fraction=0.01).apply(ctx)
 
 
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
-
-
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_scale_up_scores_inputs_of_every_model_of_the_zoo(name, shape, classes, kwargs):
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (6, *shape), dtype=torch.uint8, generator=g)
     ctx = DefenseContext(model=model, poisoned_train=Split(data, torch.zeros(6, dtype=torch.long)),

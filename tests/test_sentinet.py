@@ -7,7 +7,6 @@ above the clean inputs' regions; on a whole-image trigger (Blended) there is no 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +25,7 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.models.base import ImageClassifier, Normalized
 from tests.test_defenses_detect import context, tiny_trainer
+from tests.tiny import ZOO, zoo_model
 
 SHAPE = (1, 16, 16)
 SPOTS = ((1, 1), (1, 9), (9, 1), (5, 5))  # the bright 6 x 6 square of each class; the patch goes bottom-right
@@ -177,21 +177,9 @@ def test_bad_values_are_refused_in_one_line():
         SentiNet().check_model(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)))
 
 
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
-
-
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_sentinet_scores_inputs_of_every_model_of_the_zoo(name, shape, classes, kwargs):
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     SentiNet().check_model(model)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (4, *shape), dtype=torch.uint8, generator=g)

@@ -20,6 +20,7 @@ from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
 from backdoorbench.models.base import Normalized
 from tests.test_defenses_detect import TinyNet, context, quadrant_data, tiny_trainer
+from tests.tiny import ZOO, zoo_model
 
 
 def planted_behind_a_larger_direction(n_clean: int = 500, n_poison: int = 50, dim: int = 32, seed: int = 0):
@@ -166,30 +167,17 @@ def test_spectre_config_errors():
 
 # ---- the scale rehearsal: the zoo at 10, 43 and 200 classes, 28, 32 and 64 px ---------------------
 
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
-
 
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_spectre_runs_on_the_zoo(name, shape, classes, kwargs):
-    from pathlib import Path
-
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (40, *shape), dtype=torch.uint8, generator=g)
     labels = torch.cat([torch.zeros(30, dtype=torch.long), torch.randint(0, classes, (10,), generator=g)])
     ctx = DefenseContext(model=model, poisoned_train=Split(data, labels), poisoned_indices=torch.arange(0),
                          clean_subset=Split(data[:0], labels[:0]), trainer=SimpleNamespace(device="cpu", eval_batch_size=16),
                          num_classes=classes, generator=g)
-    Spectre().check_model(net)
+    Spectre().check_model(model.net)
     result = Spectre().apply(ctx)
     assert result.sample_scores.shape == (40,) and result.flagged.dtype == torch.bool
     assert torch.isfinite(result.sample_scores).all() and result.extras["suspected_target"] == 0

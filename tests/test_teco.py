@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +22,7 @@ from backdoorbench.defenses.teco import Teco, deviation, first_flips
 from backdoorbench.errors import ConfigError
 from backdoorbench.models.base import Normalized
 from tests.test_defenses_detect import SHAPE, TinyNet, context, quadrant_data, tiny_trainer
+from tests.tiny import ZOO, zoo_model
 
 
 def smooth_images(n: int, size: int = 32, channels: int = 3, seed: int = 0) -> np.ndarray:
@@ -156,7 +156,6 @@ def test_first_flips_and_deviation_by_hand():
 
 class FlipAt(torch.nn.Module):
     """Predicts 1 while the image's mean stays within 0.02 of 0.5, else 0: a hand-checkable model."""
-
     def forward(self, x):
         near = ((x.flatten(1).mean(1) - 0.5).abs() < 0.02).float()
         return torch.stack([1 - near, near], 1)
@@ -232,21 +231,9 @@ def test_bad_values_are_refused_in_one_line():
         assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
-ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
-       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
-
-
 @pytest.mark.parametrize(("name", "shape", "classes", "kwargs"), ZOO, ids=[z[0] for z in ZOO])
 def test_teco_scores_inputs_of_every_model_of_the_zoo(name, shape, classes, kwargs):
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    import backdoorbench
-
-    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
-    torch.manual_seed(0)
-    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
-    model = Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+    model = zoo_model(name, shape, classes, kwargs)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (3, *shape), dtype=torch.uint8, generator=g)
     ctx = DefenseContext(model=model, poisoned_train=Split(data, torch.zeros(3, dtype=torch.long)),

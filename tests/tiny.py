@@ -51,3 +51,25 @@ class RecordingTrainer:
     def fit(self, model, split, **kwargs):
         self.seen.append((self.crop_padding, self.rotation, self.rotation_p))
         return []
+
+
+# The scale rehearsal's zoo: (model name, image shape, classes, model kwargs) at 10, 43 and 200 classes and 28, 32
+# and 64 px, small widths where the model takes one.
+ZOO = [("mnist_cnn", (1, 28, 28), 10, {}), ("preact_resnet18", (3, 32, 32), 43, {"width": 8}),
+       ("resnet18", (3, 64, 64), 200, {"width": 8}), ("vgg16_bn", (3, 32, 32), 43, {})]
+
+
+def zoo_model(name: str, shape: tuple[int, int, int], classes: int, kwargs: dict):
+    """A ZOO entry built from its conf/model yaml (seed 0), inside a Normalized, in eval mode."""
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    import backdoorbench
+    from backdoorbench.models.base import Normalized
+
+    node = OmegaConf.load(Path(backdoorbench.__file__).parent / "conf" / "model" / f"{name}.yaml")
+    torch.manual_seed(0)
+    net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
+    return Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
