@@ -1,6 +1,7 @@
 """Figure 11: ROC curves of the detectors, a panel per attack, a curve per detector, drawn from the
 per-item scores the runs saved (run_keys.DETECTION_*; an older STRIP record's entropies), for the
-detection board's cell of each detector and attack. Over seeds, the curves are averaged vertically:
+detection board's cell of each detector and attack; one figure per level (dataset-level detectors
+flag training samples, input-level ones test inputs: the two never share a ROC's items). Over seeds, the curves are averaged vertically:
 the mean TPR at each FPR of a fixed grid, each seed's ROC interpolated linearly between its points."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FPR_GRID = np.linspace(0.0, 1.0, 201)  # where the seeds' TPRs are averaged
 LEGACY_INPUT_ARRAYS = (("strip_entropy_clean", "strip_entropy_poisoned", "strip_entropy_threshold", -1.0),
                        ("input_scores_clean", "input_scores_poisoned", None, 1.0))
 LEVEL_TEXT = {"dataset": "training samples", "input": "test inputs"}
+LEVEL_TITLE = {"dataset": "dataset-level detector (training samples flagged)",
+               "input": "input-level detector (test inputs rejected)"}
 
 
 def detection_arrays(artifacts: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
@@ -94,56 +97,67 @@ def _curves(runs: list[Run]) -> dict[str, dict[str, dict[str, tuple[str, str, li
 def detection_roc(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
     written = []
     for dataset, by_attack in sorted(_curves(runs).items()):
-        detectors = sorted({d for by_detector in by_attack.values() for d in by_detector})
-        colours = {name: distinct_colour(i) for i, name in enumerate(detectors)}
-        counts: dict[str, set[int]] = defaultdict(set)
-        seeds: set[int] = set()
-        for by_detector in by_attack.values():
-            for name, (_, _, saved) in by_detector.items():
-                counts[name].add(len(saved))
-                seeds.update(seed for seed, *_ in saved)
-        # the seeds behind each detector's curves, in the legend: one number, or the range over the panels
-        seeds_text = {name: "" if len(seeds) == 1 else f", n={min(c)}" if len(c) == 1 else f", n={min(c)}–{max(c)}"
-                      for name, c in counts.items()}
-        fig, axes, spare = panel_grid(len(by_attack), width=3.4, height=3.8)
-        handles: dict[str, Line2D] = {}
-        for ax, (label, by_detector) in zip(axes, sorted(by_attack.items())):
-            ax.plot([0, 1], [0, 1], color="0.6", linestyle=":", linewidth=1)
-            areas = []
-            for name in sorted(by_detector):
-                level, _, saved = by_detector[name]
-                curves = [roc_points(scores, truth) for _, scores, truth, _ in saved]
-                mean, std = vertical_average(curves)
-                areas.append((name, float(np.mean([area(*curve) for curve in curves]))))
-                style = dict(color=colours[name], linestyle="--" if level == "input" else "-", linewidth=1.6)
-                ax.plot(FPR_GRID, mean, **style)
-                if len(saved) > 1:
-                    ax.fill_between(FPR_GRID, np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1),
-                                    color=colours[name], alpha=0.15, linewidth=0)
-                verdicts = [(float(flagged[~truth].mean()), float(flagged[truth].mean()))
-                            for _, _, truth, flagged in saved if flagged is not None]
-                if verdicts:  # the detector's own threshold: mean (FPR, TPR) over the seeds
-                    ax.plot(*np.mean(verdicts, 0), marker="o", markersize=6, color=colours[name],
-                            markeredgecolor="k", linestyle="none")
-                handles.setdefault(name, Line2D([], [], label=f"{name} ({LEVEL_TEXT[level]}){seeds_text[name]}", **style))
-            # each detector's AUROC (the mean over its seeds), in its colour, where the curves seldom go
-            for k, (name, value) in enumerate(reversed(areas)):
-                ax.text(0.97, 0.04 + 0.075 * k, f"AUROC {value:.3f}", color=colours[name], fontsize=8,
-                        ha="right", va="bottom", transform=ax.transAxes)
-            trainings = sorted({training for _, training, _ in by_detector.values()})
-            ax.set_title(f"{label}\nvictim {' / '.join(trainings)}", fontsize=9)  # its detectors' cells may differ
-            ax.set_xlim(-0.01, 1.01)
-            ax.set_ylim(-0.01, 1.01)
-            ax.set_aspect("equal")
-            ax.set_xlabel("false positive rate")
-            ax.set_ylabel("true positive rate")
-        legend = [handles[name] for name in detectors] + [
-            Line2D([], [], color="0.6", linestyle=":", label="chance"),
-            Line2D([], [], color="0.4", marker="o", markeredgecolor="k", linestyle="none",
-                   label="the detector's own threshold")]
-        shared_legend(fig, legend, spare)
-        over = (f"seed {min(seeds)}" if len(seeds) == 1 else
-                "mean over seeds by vertical averaging: the mean TPR at each FPR; ± std shaded")
-        fig.suptitle(f"ROC of each detector per attack, {dataset}\n({over})", fontsize=11)
-        written += save_figure(fig, out, f"{dataset}_11_detection_roc{suffix}")
+        for level in sorted({level for by_detector in by_attack.values() for level, _, _ in by_detector.values()}):
+            at_level = {label: {name: cell for name, cell in by_detector.items() if cell[0] == level}
+                        for label, by_detector in by_attack.items()}
+            at_level = {label: cells for label, cells in at_level.items() if cells}
+            written += _roc_figure(dataset, level, at_level, out, suffix)
     return written
+
+
+def _roc_figure(dataset: str, level: str, by_attack: dict, out: Path, suffix: str) -> list[Path]:
+    """One level's figure: a panel per attack, a curve per detector of that level."""
+    detectors = sorted({d for by_detector in by_attack.values() for d in by_detector})
+    colours = {name: distinct_colour(i) for i, name in enumerate(detectors)}
+    counts: dict[str, set[int]] = defaultdict(set)
+    seeds: set[int] = set()
+    for by_detector in by_attack.values():
+        for name, (_, _, saved) in by_detector.items():
+            counts[name].add(len(saved))
+            seeds.update(seed for seed, *_ in saved)
+    # the seeds behind each detector's curves, in the legend: one number, or the range over the panels
+    seeds_text = {name: "" if len(seeds) == 1 else f", n={min(c)}" if len(c) == 1 else f", n={min(c)}–{max(c)}"
+                  for name, c in counts.items()}
+    fig, axes, spare = panel_grid(len(by_attack), width=3.4, height=3.8)
+    handles: dict[str, Line2D] = {}
+    for ax, (label, by_detector) in zip(axes, sorted(by_attack.items())):
+        ax.plot([0, 1], [0, 1], color="0.6", linestyle=":", linewidth=1)
+        areas = []
+        for name in sorted(by_detector):
+            _, _, saved = by_detector[name]
+            curves = [roc_points(scores, truth) for _, scores, truth, _ in saved]
+            mean, std = vertical_average(curves)
+            areas.append((name, float(np.mean([area(*curve) for curve in curves]))))
+            style = dict(color=colours[name], linestyle="-", linewidth=1.6)
+            ax.plot(FPR_GRID, mean, **style)
+            if len(saved) > 1:
+                ax.fill_between(FPR_GRID, np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1),
+                                color=colours[name], alpha=0.15, linewidth=0)
+            verdicts = [(float(flagged[~truth].mean()), float(flagged[truth].mean()))
+                        for _, _, truth, flagged in saved if flagged is not None]
+            if verdicts:  # the detector's own threshold: mean (FPR, TPR) over the seeds
+                ax.plot(*np.mean(verdicts, 0), marker="o", markersize=6, color=colours[name],
+                        markeredgecolor="k", linestyle="none")
+            handles.setdefault(name, Line2D([], [], label=f"{name}{seeds_text[name]}", **style))
+        # each detector's AUROC (the mean over its seeds), in its colour, where the curves seldom go;
+        # a panel of many detectors stacks them closer, below the diagonal's upper half
+        step = min(0.075, 0.55 / max(len(areas), 1))
+        for k, (name, value) in enumerate(reversed(areas)):
+            ax.text(0.97, 0.04 + step * k, f"AUROC {value:.3f}", color=colours[name],
+                    fontsize=8 if step >= 0.07 else 7, ha="right", va="bottom", transform=ax.transAxes)
+        trainings = sorted({training for _, training, _ in by_detector.values()})
+        ax.set_title(f"{label}\nvictim {' / '.join(trainings)}", fontsize=9)  # its detectors' cells may differ
+        ax.set_xlim(-0.01, 1.01)
+        ax.set_ylim(-0.01, 1.01)
+        ax.set_aspect("equal")
+        ax.set_xlabel("false positive rate")
+        ax.set_ylabel("true positive rate")
+    legend = [handles[name] for name in detectors] + [
+        Line2D([], [], color="0.6", linestyle=":", label="chance"),
+        Line2D([], [], color="0.4", marker="o", markeredgecolor="k", linestyle="none",
+               label="the detector's own threshold")]
+    shared_legend(fig, legend, spare)
+    over = (f"seed {min(seeds)}" if len(seeds) == 1 else
+            "mean over seeds by vertical averaging: the mean TPR at each FPR; ± std shaded")
+    fig.suptitle(f"ROC of each {LEVEL_TITLE[level]} per attack, {dataset}\n({over})", fontsize=11)
+    return save_figure(fig, out, f"{dataset}_11_detection_roc_{level}{suffix}")

@@ -22,8 +22,8 @@ under `<results_dir>/figures/`, one file per figure and dataset, with a panel (o
     undefended victim's curve as the reference.
 11. ROC curves of the detectors, a panel per attack, a curve per detector (the leaderboard's
     detection board cell: its runs that saved their per-item scores), averaged vertically over
-    seeds (the mean TPR at each FPR), the detector's own threshold marked; dataset-level
-    detectors solid, input-level dashed.
+    seeds (the mean TPR at each FPR), the detector's own threshold marked; a figure per level
+    (`_dataset`: training samples flagged; `_input`: test inputs rejected).
 
 Figures 1 and 6 have a row per attack and mode, split into pages of ROWS_PER_PAGE rows
 (`<stem>_page<k>`); `attacks=` keeps only the attacks named, in files named after them
