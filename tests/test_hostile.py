@@ -130,6 +130,8 @@ CASES: list[tuple[str, Setup, str]] = [
      "defense.clean_ratio=0.9 and defense.poison_ratio=0.2 leave no uncertain part"),
     ("d_st transformation not offered", fixed("defense=d_st", "defense.transforms=[rotate,blur]"),
      "defense.transforms=['rotate', 'blur'] is invalid; use a non-empty list of: rotate, affine, flip, crop"),
+    ("mcr t above 1", fixed("defense=mcr", "defense.t=1.5"), "defense.t=1.5 is out of range"),
+    ("mcr unknown curve", fixed("defense=mcr", "defense.curve=spline"), "defense.curve='spline' is unknown; choose one of: bezier, polychain"),
     ("rnp stop rule above 1", fixed("defense=rnp", "defense.clean_threshold=1.5"), "defense.clean_threshold=1.5 is out of range"),
     ("rnp milestones decreasing", fixed("defense=rnp", "defense.unlearning_milestones=[20,10]"),
      "defense.unlearning_milestones=[20, 10] is invalid"),
