@@ -39,13 +39,15 @@ PREPARE_FORMAT = "backdoorbench.prepare_checkpoint.v1"
 
 
 def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generator: torch.Generator, build_model,
-                   clean_model: Callable[[], tuple[Any, dict[str, Any]]] | None = None) -> None:
+                   clean_model: Callable[[], tuple[Any, dict[str, Any]]] | None = None,
+                   network_cache: Path | None = None) -> None:
     """`attack.prepare(...)`, or its result restored from `checkpoint` when a killed run already
     computed it (e.g. Input-aware's mask pre-training). What prepare leaves behind (its result,
     the global RNG state that the victim's initialization draws from next, its logged epochs) is
     saved there when the attack has a `prepare_state`, so the resumed run goes on exactly.
     `clean_model` (the run's clean control and its cache block) goes to an attack that
-    `uses_clean_control`."""
+    `uses_clean_control`; `network_cache` (the run's cache folder, None when the cache is off) to one
+    that `uses_network_cache`."""
     where = f"checkpoint {str(checkpoint)!r}"
     if checkpoint.exists():
         try:
@@ -63,6 +65,8 @@ def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generato
         log.info("%s: preparation restored from %s", attack.name, checkpoint)
         return
     extra = {"clean_model": clean_model} if clean_model is not None and attack.uses_clean_control else {}
+    if attack.uses_network_cache:
+        extra["cache_dir"] = network_cache
     attack.prepare(trainer=trainer, train=train, generator=generator, build_model=build_model, **extra)
     prepared = attack.prepare_state()
     if prepared is not None and distributed.is_main():
@@ -103,7 +107,7 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
         with timed(timings, "poison"):
             prepare_attack(attack, checkpoints / "prepare.pt", trainer=trainer, train=data.train,
                            generator=stream(seed, "attack"), build_model=lambda **kwargs: build_model(cfg, data, **kwargs),
-                           clean_model=clean_model)
+                           clean_model=clean_model, network_cache=cache.root if cache is not None else None)
             poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
         model = build_model(cfg, data)  # after prepare, as without a cache: the same global RNG draws
         with timed(timings, "train"):

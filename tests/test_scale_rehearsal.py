@@ -138,6 +138,9 @@ TINY_STEP = {"input_aware": ["attack.mask_epochs=1"],
              "trojannn": ["attack.surrogate_epochs=1", "attack.trigger_steps=50"],
              # 5 surrogate epochs: after 1, DeepFool reaches the target on no image of the 200-class fixture
              "lf": ["attack.surrogate_epochs=5", "attack.max_passes=1", "attack.craft_images=10"],
+             # one epoch of the networks, at the widths of the quick protocol
+             "poison_ink": ["attack.epochs=1", "attack.stages=[[crop,flip]]", "attack.width=8", "attack.depth=2",
+                            "attack.extractor_width=8", "attack.extractor_blocks=1"],
              # the backdoor loss from the first batch (the default waits for 1,000 batches of clean loss)
              "blind": ["attack.loss_threshold=null"],
              # the paper's 0.003 payload and cover (protocol backdoorbench) poison none of these tens of images
@@ -313,6 +316,10 @@ def check_trigger(attack, data, poisoned) -> None:
     elif name == "lf":  # one smooth perturbation in [0, magnitude], added to every image and clipped
         assert float(attack.pattern.min()) >= 0 and float(attack.pattern.max()) <= attack.magnitude + 1e-6
         assert torch.allclose(xt, (x + attack.pattern).clamp(0, 1), atol=1e-6)
+    elif name == "poison_ink":  # the injection network's image, 8-bit, the same for the same image
+        assert torch.equal(xt, (xt * 255).round() / 255)
+        with torch.no_grad():
+            assert torch.equal(attack.apply_trigger(x.clone()), xt)
     elif name in ("lira", "wb"):  # eps-bounded noise (test_eps) in pixel units
         assert float(diff.max()) <= attack.test_eps + 1e-6
     elif name in ("ftrojan", "ctrl"):  # the change's spectrum peaks at the bumped coefficients of each tile
@@ -353,7 +360,7 @@ def slow(dataset: str, attack: str) -> bool:
 
 def test_the_cost_lists_are_read_from_the_classes():
     """SLOW is the attacks that learn their trigger; QUICK_AT_64PX one attack of each kind."""
-    assert SLOW == {"label_consistent", "trojannn", "input_aware", "lira", "wb", "lf"}  # the six that train networks
+    assert SLOW == {"label_consistent", "trojannn", "input_aware", "lira", "wb", "lf", "poison_ink"}  # the seven that train networks
     assert len(QUICK_AT_64PX) == 3 and not QUICK_AT_64PX & SLOW
     assert CLEAN_LABEL == {"sig", "label_consistent", "refool", "ctrl"}  # read from the classes: the four clean-label papers
 

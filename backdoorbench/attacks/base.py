@@ -85,6 +85,9 @@ class Attack:
     # `attack=none` victim of the same setting, from the victim cache) and its cache block, for an
     # attack that crafts its trigger on a clean model (LF), as BackdoorBench's pre-made triggers are.
     uses_clean_control: ClassVar[bool] = False
+    # True where `prepare` takes `cache_dir=`: the run's cache folder (None when the cache is off), where an
+    # attack keeps networks it trained for its trigger, keyed by what determines them (Poison Ink).
+    uses_network_cache: ClassVar[bool] = False
 
     def __init__(
         self,
