@@ -119,6 +119,8 @@ CASES: list[tuple[str, Setup, str]] = [
     ("beatrix without clean data", fixed("defense=beatrix", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
     ("cd steps 0", fixed("defense=cd", "defense.steps=0"), "defense.steps=0 is invalid; use an integer >= 1"),
     ("cd budget unknown", fixed("defense=cd", "defense.budget=gpu"), "defense.budget='gpu' is unknown for cd; choose one of: official, cpu"),
+    ("scan threshold 0", fixed("defense=scan", "defense.threshold=0"), "defense.threshold=0 is invalid; use a finite number > 0"),
+    ("scan without clean data", fixed("defense=scan", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
     ("teco frost", fixed("defense=teco", "defense.corruptions=[frost,snow]"), "frost is left out"),
     ("teco severity 6", fixed("defense=teco", "defense.severities=[1,6]"), "defense.severities=[1, 6] is invalid"),
     ("sentinet rule", fixed("defense=sentinet", "defense.rule=curve"),
