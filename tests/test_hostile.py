@@ -117,6 +117,8 @@ CASES: list[tuple[str, Setup, str]] = [
     ("spectre alpha 0", fixed("defense=spectre", "defense.alpha=0"), "defense.alpha=0 is invalid; use a number > 0"),
     ("beatrix order 0", fixed("defense=beatrix", "defense.orders=[0,2]"), "defense.orders=[0, 2] is invalid"),
     ("beatrix without clean data", fixed("defense=beatrix", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
+    ("asset outlyingness 0", fixed("defense=asset", "defense.outlyingness=0"), "defense.outlyingness=0 is invalid; use a number > 0"),
+    ("asset tail eps 1", fixed("defense=asset", "defense.tail_eps=1"), "defense.tail_eps=1 is out of range"),
     ("teco frost", fixed("defense=teco", "defense.corruptions=[frost,snow]"), "frost is left out"),
     ("teco severity 6", fixed("defense=teco", "defense.severities=[1,6]"), "defense.severities=[1, 6] is invalid"),
     ("sentinet rule", fixed("defense=sentinet", "defense.rule=curve"),
