@@ -123,6 +123,8 @@ CASES: list[tuple[str, Setup, str]] = [
     ("scan without clean data", fixed("defense=scan", "defense.clean_fraction=0"), "defense.clean_fraction=0 is out of range"),
     ("agpd tau 1", fixed("defense=agpd", "defense.tau=1"), "defense.tau=1 is out of range; use a number in [0, 1)"),
     ("agpd window 0", fixed("defense=agpd", "defense.window=0"), "defense.window=0 is invalid"),
+    ("asset outlyingness 0", fixed("defense=asset", "defense.outlyingness=0"), "defense.outlyingness=0 is invalid; use a number > 0"),
+    ("asset tail eps 1", fixed("defense=asset", "defense.tail_eps=1"), "defense.tail_eps=1 is out of range"),
     ("teco frost", fixed("defense=teco", "defense.corruptions=[frost,snow]"), "frost is left out"),
     ("teco severity 6", fixed("defense=teco", "defense.severities=[1,6]"), "defense.severities=[1, 6] is invalid"),
     ("sentinet rule", fixed("defense=sentinet", "defense.rule=curve"),
