@@ -159,12 +159,28 @@ def test_poisoned_images_are_the_injected_ones_relabelled(mode):
     assert torch.equal(out.split.images[out.indices], expected)
 
 
+def test_the_extraction_terms_are_weighted_against_the_image_term():
+    cover = rectangles(4, seed=6).float() / 255
+    colours = torch.full((4, 3), 120.0)
+    terms = []
+    for weight in (1.0, 0.1):
+        poison = attack(extract_weight=weight)
+        torch.manual_seed(0)
+        injection, extraction = poison.build_injection(), poison.build_extraction()
+        terms.append(poison.losses(injection, extraction, cover, colours, [], torch.Generator().manual_seed(0)))
+    official, light = terms
+    assert torch.allclose(official["loss"], official["image"] + official["extract"])
+    assert torch.allclose(light["extract"], official["extract"]) and torch.allclose(light["image"], official["image"])
+    assert torch.allclose(light["loss"], light["image"] + 0.1 * light["extract"])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"colour": [80, 160]}, "attack.colour=[80, 160] is invalid; use three 0-255 levels"),
     ({"stages": [["rotate"]]}, "attack.stages=[['rotate']] is invalid; use a non-empty list of lists of crop, flip"),
     ({"detector": "prewitt"}, "attack.detector='prewitt' is invalid; use one of sobel, canny"),
     ({"depth": 4}, "attack.depth=4 is out of range; use an integer in [1, 3]"),
     ({"image_loss": "ssim"}, "attack.image_loss='ssim' is invalid; use one of mse, l1"),
+    ({"extract_weight": 0}, "attack.extract_weight=0 is invalid; use a number > 0"),
 ])
 def test_bad_values_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ConfigError) as info:

@@ -87,7 +87,7 @@ class PoisonInk(SurrogateCrafted, Attack):
     flip, `stages`), and a white image from a clean one. The loss (the official weights): 10^4 x
     the image's mean squared (or absolute, `image_loss`) error, plus 10^4 x the extraction's error
     on the edge pixels (x `edge_weight` 13) and off them, plus 100 x 10^4 x its error on clean
-    images (`clean_weight`). Adam (lr 2e-4, betas 0.5, 0.999) for `epochs` per stage, the lr x 0.1
+    images (`clean_weight`), the extraction terms x `extract_weight` (official `--beta` 1). Adam (lr 2e-4, betas 0.5, 0.999) for `epochs` per stage, the lr x 0.1
     every 80 epochs, batches of 32, each training image with a random colour of {40, ..., 200}^3.
     Poisoning: `poison_rate` of the training set, drawn from every class, replaced by their injected
     images (8-bit) and relabelled by the target rule (all2one or all2all); at test time the same
@@ -137,6 +137,7 @@ class PoisonInk(SurrogateCrafted, Attack):
         extractor_blocks: int = 7,
         edge_weight: float = 13.0,
         clean_weight: float = 100.0,
+        extract_weight: float = 1.0,
         image_loss: str = "mse",
         crop: float = 0.875,
         **common,
@@ -174,6 +175,8 @@ class PoisonInk(SurrogateCrafted, Attack):
                                                hint="the official 7 residual blocks, dilations 2, 2, 2, 4, 4, 4, 1; fewer keep the first")
         self.edge_weight = checks.number("attack", "edge_weight", edge_weight, 0)
         self.clean_weight = checks.number("attack", "clean_weight", clean_weight, 0)
+        self.extract_weight = checks.number("attack", "extract_weight", extract_weight, 0, low_open=True,
+                                            hint="the extraction term's weight against the image term, official --beta 1")
         if image_loss not in IMAGE_LOSSES:
             raise ConfigError(f"attack.image_loss={image_loss!r} is invalid; use one of {', '.join(IMAGE_LOSSES)}")
         self.image_loss = image_loss
@@ -211,7 +214,8 @@ class PoisonInk(SurrogateCrafted, Attack):
                 "stages": self.stages, "epochs": self.epochs, "train_images": self.train_images, "batch_size": self.batch_size, "lr": self.lr,
                 "beta1": self.beta1, "lr_step": self.lr_step, "width": self.width, "depth": self.depth,
                 "extractor_width": self.extractor_width, "extractor_blocks": self.extractor_blocks,
-                "edge_weight": self.edge_weight, "clean_weight": self.clean_weight, "image_loss": self.image_loss,
+                "edge_weight": self.edge_weight, "clean_weight": self.clean_weight, "extract_weight": self.extract_weight,
+                "image_loss": self.image_loss,
                 "crop": self.crop, "image_shape": list(self.image_shape)}
 
     # --- the trigger ------------------------------------------------------------------------------
@@ -309,7 +313,7 @@ class PoisonInk(SurrogateCrafted, Attack):
         back = LOSS_SCALE * F.mse_loss(revealed * (1 - mask), wanted * (1 - mask))
         clean = LOSS_SCALE * F.mse_loss(extraction(cover_t), torch.ones_like(wanted))
         extract = self.edge_weight * edge + back + self.clean_weight * clean
-        return {"loss": image + extract, "image": image, "extract": extract, "edge": edge, "back": back, "clean": clean}
+        return {"loss": image + self.extract_weight * extract, "image": image, "extract": extract, "edge": edge, "back": back, "clean": clean}
 
     def train_networks(self, images: Tensor, *, seed: int, device: torch.device | str,
                        partial: Path | None = None) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
