@@ -13,16 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from backdoorbench.attacks.badnets import BadNets
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.defenses import agpd
 from backdoorbench.defenses.agpd import AGPD
 from backdoorbench.defenses.base import DefenseContext
 from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
-from backdoorbench.models.base import ImageClassifier, Normalized
-from tests.test_defenses_detect import quadrant_data, tiny_trainer
-from tests.tiny import ZOO, one_thread, zoo_model  # noqa: F401  (one_thread: autouse)
+from backdoorbench.models.base import ImageClassifier
+from tests.tiny import ZOO, one_thread, tiny_badnets_victim, zoo_model  # noqa: F401  (one_thread: autouse)
 
 
 # ---- the activation gradient and the layers -------------------------------------------------------
@@ -195,29 +193,9 @@ def test_choose_targets_is_the_official_rule():
 
 # ---- the defining property on a tiny BadNets victim -----------------------------------------------
 
-class TwoStageNet(ImageClassifier):
-    name = "two_stage"
-
-    def __init__(self, num_classes: int = 4, **_):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                      nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, 16), nn.ReLU())
-        self.classifier = nn.Linear(16, num_classes)
-
-
 @pytest.fixture(scope="module")
 def badnets_victim():
-    torch.manual_seed(0)
-    train = quadrant_data(800, seed=0, num_classes=4)
-    attack = BadNets(num_classes=4, image_shape=(1, 8, 8), patch_size=3, poison_rate=0.1)  # target 0
-    poisoned = attack.poison_dataset(train, torch.Generator().manual_seed(0))
-    model = Normalized(TwoStageNet(4), (0.3,), (0.3,))
-    tiny_trainer(6).fit(model, poisoned.split, generator=torch.Generator().manual_seed(0))
-    is_poison = torch.zeros(len(train), dtype=torch.bool)
-    is_poison[poisoned.indices] = True
-    clean = quadrant_data(80, seed=3, num_classes=4)  # the defender's clean samples: 20 of each class
-    return model.eval(), poisoned, is_poison, clean
+    return tiny_badnets_victim(800, 4, 80)  # the defender's clean samples: 20 of each class
 
 
 def context(model, poisoned, clean) -> DefenseContext:

@@ -12,16 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backdoorbench.attacks.badnets import BadNets
 from backdoorbench.datasets.base import Split
 from backdoorbench.defenses import beatrix
 from backdoorbench.defenses.base import DefenseContext
 from backdoorbench.defenses.beatrix import Beatrix
 from backdoorbench.errors import ConfigError
 from backdoorbench.metrics.detection import auroc
-from backdoorbench.models.base import ImageClassifier, Normalized
-from tests.test_defenses_detect import quadrant_data, tiny_trainer
-from tests.tiny import ZOO
+from backdoorbench.models.base import Normalized
+from tests.tiny import ZOO, tiny_badnets_victim
 
 
 # ---- the Gram feature and the deviation ---------------------------------------------------------
@@ -120,30 +118,9 @@ def test_the_anomaly_index_is_the_official_with_numpys_median():
 
 # ---- the defining property on a tiny BadNets victim ----------------------------------------------
 
-class TwoStageNet(ImageClassifier):
-    """Two conv stages, so Beatrix's map (the last stage's input) is the first stage's output."""
-    name = "two_stage"
-
-    def __init__(self, num_classes: int = 2, **_):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                      nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, 16), nn.ReLU())
-        self.classifier = nn.Linear(16, num_classes)
-
-
 @pytest.fixture(scope="module")
 def badnets_victim():
-    torch.manual_seed(0)
-    train = quadrant_data(400, seed=0, num_classes=2)
-    attack = BadNets(num_classes=2, image_shape=(1, 8, 8), patch_size=3, poison_rate=0.1)
-    poisoned = attack.poison_dataset(train, torch.Generator().manual_seed(0))
-    model = Normalized(TwoStageNet(2), (0.3,), (0.3,))
-    tiny_trainer(6).fit(model, poisoned.split, generator=torch.Generator().manual_seed(0))
-    is_poison = torch.zeros(len(train), dtype=torch.bool)
-    is_poison[poisoned.indices] = True
-    clean = quadrant_data(60, seed=3, num_classes=2)  # the defender's clean samples: 30 of each class
-    return model, poisoned, is_poison, clean
+    return tiny_badnets_victim(400, 2, 60)  # the defender's clean samples: 30 of each class
 
 
 def context(model, poisoned, clean) -> DefenseContext:

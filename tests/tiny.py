@@ -73,3 +73,40 @@ def zoo_model(name: str, shape: tuple[int, int, int], classes: int, kwargs: dict
     torch.manual_seed(0)
     net = instantiate(node, in_channels=shape[0], num_classes=classes, image_size=shape[1], **kwargs)
     return Normalized(net, (0.5,) * shape[0], (0.25,) * shape[0]).eval()
+
+
+def two_stage_net(num_classes: int):
+    """A tiny two-conv-stage classifier (an ImageClassifier named `two_stage`) for the detectors' tests."""
+    from torch import nn
+
+    from backdoorbench.models.base import ImageClassifier
+
+    class Net(ImageClassifier):
+        name = "two_stage"
+
+        def __init__(self, classes: int):
+            super().__init__()
+            self.features = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                                          nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                          nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, 16), nn.ReLU())
+            self.classifier = nn.Linear(16, classes)
+
+    return Net(num_classes)
+
+
+def tiny_badnets_victim(n_train: int, num_classes: int, n_clean: int):
+    """A two-stage net trained 6 epochs on quadrant data with BadNets (a 3 px patch, 10%, target 0), in eval
+    mode; returns (model, poisoned data, the poisoned mask over the training set, n_clean clean samples)."""
+    from backdoorbench.attacks.badnets import BadNets
+    from backdoorbench.models.base import Normalized
+    from tests.test_defenses_detect import quadrant_data, tiny_trainer
+
+    torch.manual_seed(0)
+    train = quadrant_data(n_train, seed=0, num_classes=num_classes)
+    attack = BadNets(num_classes=num_classes, image_shape=(1, 8, 8), patch_size=3, poison_rate=0.1)  # target 0
+    poisoned = attack.poison_dataset(train, torch.Generator().manual_seed(0))
+    model = Normalized(two_stage_net(num_classes), (0.3,), (0.3,))
+    tiny_trainer(6).fit(model, poisoned.split, generator=torch.Generator().manual_seed(0))
+    is_poison = torch.zeros(len(train), dtype=torch.bool)
+    is_poison[poisoned.indices] = True
+    return model.eval(), poisoned, is_poison, quadrant_data(n_clean, seed=3, num_classes=num_classes)
