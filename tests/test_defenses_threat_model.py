@@ -45,9 +45,10 @@ def test_the_zoo_is_what_this_table_covers(attacks):
     # today's declarations, so that one flipping by mistake is seen
     assert TRAINING_CONTROLLED == {"wanet", "input_aware", "lira", "wb", "blind"}
     # EP reads a batch of the training set; SPECTRE, Beatrix, CD, SCAn, AGPD and ASSET score the training samples;
-    # D-BR and D-ST split the training samples by their sensitivity to transformations
+    # D-BR and D-ST split the training samples by their sensitivity to transformations; DBD trains its own model
+    # on the poisoned training split in three stages
     assert SPLIT_ONLY == {"abl", "spectral", "activation_clustering", "ep", "spectre", "beatrix", "cd", "scan", "agpd",
-                          "asset", "d_br", "d_st"}
+                          "asset", "d_br", "d_st", "dbd"}
     assert EXPORTING == {"wanet", "input_aware"}  # LIRA, WB and Blind save no bd_train in BackdoorBench
 
 
