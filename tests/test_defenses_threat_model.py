@@ -45,9 +45,10 @@ def test_the_zoo_is_what_this_table_covers(attacks):
     # today's declarations, so that one flipping by mistake is seen
     assert TRAINING_CONTROLLED == {"wanet", "input_aware", "lira", "wb", "blind"}
     # EP reads a batch of the training set; SPECTRE, Beatrix, CD, SCAn, AGPD and ASSET score the training samples;
-    # D-BR and D-ST split the training samples by their sensitivity to transformations; NAB runs LGA on them
+    # D-BR and D-ST split the training samples by their sensitivity to transformations; NAB runs LGA on them; DBD
+    # trains its own model on the poisoned training split in three stages
     assert SPLIT_ONLY == {"abl", "spectral", "activation_clustering", "ep", "spectre", "beatrix", "cd", "scan", "agpd",
-                          "asset", "d_br", "d_st", "nab"}
+                          "asset", "d_br", "d_st", "nab", "dbd"}
     assert EXPORTING == {"wanet", "input_aware"}  # LIRA, WB and Blind save no bd_train in BackdoorBench
 
 
@@ -84,7 +85,8 @@ def test_an_excluded_pair_is_recorded_as_not_applicable_before_the_defense_runs(
 
 FAST = {  # each defense's config, shrunk to a few steps on a 20 px toy
     "abl": dict(budget="cpu", isolation_epochs=1, finetune_epochs=1, unlearn_epochs=1),
-    "activation_clustering": dict(reduction="pca"),  # ICA is slow; the reduction is not what is tested here
+    "activation_clustering": dict(reduction="pca"),
+    "dbd": dict(budget="cpu", simclr_epochs=1, warmup_epochs=1, semi_epochs=1, train_iterations=2, semi_batch_size=16),  # ICA is slow; the reduction is not what is tested here
     "anp": dict(iterations=5),
     "fine_pruning": dict(epochs=1),
     "fine_tuning": dict(epochs=1),

@@ -138,6 +138,8 @@ CASES: list[tuple[str, Setup, str]] = [
      "defense.clean_ratio=0.9 and defense.poison_ratio=0.2 leave no uncertain part"),
     ("d_st transformation not offered", fixed("defense=d_st", "defense.transforms=[rotate,blur]"),
      "defense.transforms=['rotate', 'blur'] is invalid; use a non-empty list of: rotate, affine, flip, crop"),
+    ("dbd epsilon 1", fixed("defense=dbd", "defense.epsilon=1"), "defense.epsilon=1 is out of range; use a number in (0, 1)"),
+    ("dbd budget unknown", fixed("defense=dbd", "defense.budget=gpu"), "defense.budget='gpu' is unknown for dbd; choose one of: official, cpu"),
     ("mcr t above 1", fixed("defense=mcr", "defense.t=1.5"), "defense.t=1.5 is out of range"),
     ("mcr unknown curve", fixed("defense=mcr", "defense.curve=spline"), "defense.curve='spline' is unknown; choose one of: bezier, polychain"),
     ("nab flags nothing", fixed("defense=nab", "defense.isolation_ratio=0"), "defense.isolation_ratio=0 is out of range"),

@@ -50,8 +50,9 @@ def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Gen
     return torch.where((first < 0)[:, None], fallback, boxes)
 
 
-def resized_crop(x: Tensor, boxes: Tensor) -> Tensor:
-    """Each image's box (top, left, h, w) resized back to the image size, bilinearly."""
+def resized_crop(x: Tensor, boxes: Tensor, mode: str = "bilinear") -> Tensor:
+    """Each image's box (top, left, h, w) resized back to the image size, bilinearly (or `mode`
+    "bicubic", clamped to [0, 1] as PIL's bicubic is to its pixel range)."""
     batch, channels, height, width = x.shape
     top, left, h, w = (boxes[:, i].to(x.device, torch.float32) for i in range(4))
     # output pixel centre -> input coordinate, in affine_grid's [-1, 1] units (align_corners=False)
@@ -60,7 +61,8 @@ def resized_crop(x: Tensor, boxes: Tensor) -> Tensor:
     theta[:, 1, 1], theta[:, 1, 2] = h / height, (2 * top + h) / height - 1
     grid = F.affine_grid(theta, [batch, channels, height, width], align_corners=False)
     with torch.autocast(x.device.type, enabled=False):
-        return F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+        out = F.grid_sample(x.float(), grid, mode=mode, padding_mode="border", align_corners=False)
+    return out.clamp_(0, 1) if mode == "bicubic" else out
 
 
 def grayscale(x: Tensor) -> Tensor:
@@ -141,11 +143,11 @@ def color_jitter(x: Tensor, generator: torch.Generator) -> Tensor:
     return x
 
 
-def supcon_view(x: Tensor, generator: torch.Generator, hflip: bool) -> Tensor:
+def supcon_view(x: Tensor, generator: torch.Generator, hflip: bool, mode: str = "bilinear") -> Tensor:
     """One SupCon view of each image of `x` (float in [0, 1], (B, C, H, W)); `hflip` False leaves
-    the flip out (a dataset whose classes a flip changes)."""
+    the flip out (a dataset whose classes a flip changes); `mode` the crop's interpolation."""
     batch, channels, height, width = x.shape
-    x = resized_crop(x, resized_crop_boxes(batch, height, width, generator))
+    x = resized_crop(x, resized_crop_boxes(batch, height, width, generator), mode)
     if hflip:
         flips = (torch.rand(batch, generator=generator) < 0.5).to(x.device)
         x = torch.where(flips[:, None, None, None], x.flip(3), x)
