@@ -85,8 +85,11 @@ def test_an_excluded_pair_is_recorded_as_not_applicable_before_the_defense_runs(
 
 FAST = {  # each defense's config, shrunk to a few steps on a 20 px toy
     "abl": dict(budget="cpu", isolation_epochs=1, finetune_epochs=1, unlearn_epochs=1),
-    "activation_clustering": dict(reduction="pca"),
-    "dbd": dict(budget="cpu", simclr_epochs=1, warmup_epochs=1, semi_epochs=1, train_iterations=2, semi_batch_size=16),  # ICA is slow; the reduction is not what is tested here
+    "activation_clustering": dict(reduction="pca"),  # ICA is slow; the reduction is not what is tested here
+    "cd": dict(steps=2),
+    "d_st": dict(sd_epochs=1, sd_finetune_epochs=1, contrastive_epochs=1, warmup_epochs=0, classifier_epochs=1),
+    "dbd": dict(budget="cpu", simclr_epochs=1, warmup_epochs=1, semi_epochs=1, train_iterations=2, semi_batch_size=16),
+    "sau": dict(epochs=1),
     "anp": dict(iterations=5),
     "fine_pruning": dict(epochs=1),
     "fine_tuning": dict(epochs=1),

@@ -73,13 +73,16 @@ def todays_report(record: RunRecord) -> dict:
         excluded = todays_exclusion(config["defense"]["_target_"], attack, config["attack"]["_target_"])
     target, mode = record.attack.get("target"), record.attack["target_mode"]
     mode += f"({target})" if target is not None and mode == "all2one" else ""
+    # a detection-only run (eval.detection_only) is a row of the detection board only
+    table = ("attacks" if defense == "none" else
+             "detections" if (config.get("eval") or {}).get("detection_only") else "defenses")
     return {
         "applicable": excluded is None, "not_applicable": excluded,
         "defense_at_defaults": todays_defense_at_defaults(_key(config.get("defense")), defense),
         "attack_at_defaults": todays_attack_at_defaults(_key(config.get("attack")), attack,
                                                         _key(config.get("protocol")),
                                                         protocols.paper_preset(record.overrides)),
-        "canonical_key": "|".join(["attacks" if defense == "none" else "defenses", record.dataset["name"],
+        "canonical_key": "|".join([table, record.dataset["name"],
                                    protocol_name(config), record.model["name"], attack, mode, defense]),
     }
 
