@@ -16,6 +16,7 @@ NaN is never a number either (it passes no bound).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from backdoorbench.errors import ConfigError
@@ -24,6 +25,11 @@ from backdoorbench.errors import ConfigError
 def is_number(value: Any) -> bool:
     """An int or float, not a bool, not NaN; for the checks with a message of their own."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+
+
+def is_list(value: Any) -> bool:
+    """A list as YAML gives it (a list, a tuple or OmegaConf's ListConfig), not a string."""
+    return isinstance(value, Sequence) and not isinstance(value, str)
 
 
 def is_integer(value: Any) -> bool:

@@ -9,6 +9,7 @@ raises one StorageError line naming the path, and for a full disk the bytes it n
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import tempfile
 import zipfile
@@ -18,6 +19,11 @@ from typing import Any, BinaryIO
 
 from backdoorbench import interrupts
 from backdoorbench.errors import ConfigError, DataError, StorageError
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (a user's resource file, named in the record)."""
+    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
 
 
 def _umask_mode() -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from backdoorbench import checks
 from backdoorbench.attacks.base import Attack, SurrogateCrafted
 from backdoorbench.datasets.base import Split, to_float
 from backdoorbench.errors import ConfigError, DataError
+from backdoorbench.fileio import file_sha256
 from backdoorbench.progress import track
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,6 @@ def load_resource(path: str, image_shape: tuple[int, int, int]) -> Tensor:
         raise DataError(f"{where} spans [{float(values.min()):.3g}, {float(values.max()):.3g}]: added to 0-255 images as "
                         "BackdoorBench adds it, it changes no pixel (its float files hold [0, 1] units: multiply by 255)")
     return (values / 255).float()
-
-
-def file_sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
 
 
 class LowFrequency(SurrogateCrafted, Attack):

@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from backdoorbench.attacks.base import Attack, SurrogateCrafted
 from backdoorbench.attacks.poison_ink_nets import ExtractionNet, InjectionUNet, edge_mask, watermark
 from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError, DataError
-from backdoorbench.fileio import atomic_torch_save, torch_load
+from backdoorbench.fileio import atomic_torch_save, file_sha256, torch_load
 from backdoorbench.progress import track
 
 log = logging.getLogger(__name__)
@@ -62,15 +62,6 @@ def load_resource(path: str, image_shape: tuple[int, int, int]) -> dict[str, Ten
         raise DataError(f"{where} is not the official injection UNet (6 -> 3 channels, width 64, 4 levels): "
                         f"{len(wrong)} tensor(s) differ, first {wrong[0]!r}")
     return state
-
-
-def is_list(value: Any) -> bool:
-    """A list as YAML gives it (a list, a tuple or OmegaConf's ListConfig), not a string."""
-    return isinstance(value, Sequence) and not isinstance(value, str)
-
-
-def file_sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
 
 
 class PoisonInk(SurrogateCrafted, Attack):
@@ -144,7 +135,7 @@ class PoisonInk(SurrogateCrafted, Attack):
     ) -> None:
         super().__init__(**common)
         channels, height, wide = self.image_shape
-        if not is_list(colour) or len(colour) != 3 or not all(checks.is_integer(c) and 0 <= c <= 255 for c in colour):
+        if not checks.is_list(colour) or len(colour) != 3 or not all(checks.is_integer(c) and 0 <= c <= 255 for c in colour):
             raise ConfigError(f"attack.colour={colour!r} is invalid; use three 0-255 levels [R, G, B], e.g. [80, 160, 80]")
         self.colour = [int(c) for c in colour]
         if detector not in DETECTORS:
@@ -154,7 +145,7 @@ class PoisonInk(SurrogateCrafted, Attack):
                                        hint="the Sobel magnitude of the 0-255 luma, official 28")
         self.canny_sigma = checks.number("attack", "canny_sigma", canny_sigma, 0, low_open=True)
         stages = [[], ["crop"], ["flip"]] if stages is None else stages
-        if not is_list(stages) or not stages or not all(is_list(s) and set(s) <= set(INTERFERENCES) for s in stages):
+        if not checks.is_list(stages) or not stages or not all(checks.is_list(s) and set(s) <= set(INTERFERENCES) for s in stages):
             raise ConfigError(f"attack.stages={stages!r} is invalid; use a non-empty list of lists of {', '.join(INTERFERENCES)}, "
                               "e.g. [[], [crop], [flip]]")
         self.stages = [sorted(set(str(k) for k in s)) for s in stages]

@@ -68,7 +68,7 @@ def per_sample_loss(model: nn.Module, split: Split, device: torch.device, batch_
         x = to_float(split.images[start : start + batch_size].to(device))
         y = split.labels[start : start + batch_size].to(device)
         losses.append(F.cross_entropy(model(x).float(), y, reduction="none").cpu())
-    return torch.cat(losses)
+    return torch.cat(losses) if losses else torch.zeros(0)
 
 
 def isolate_lowest_loss(losses: Tensor, ratio: float) -> Tensor:

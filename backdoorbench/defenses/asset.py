@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from backdoorbench import checks
 from backdoorbench.datasets.base import Split, to_float
+from backdoorbench.defenses.abl import per_sample_loss
 from backdoorbench.defenses.base import Defense, DefenseContext, DefenseResult
 from backdoorbench.defenses.fine_pruning import require_clean_subset
 from backdoorbench.errors import ConfigError
@@ -139,18 +140,6 @@ class FeatureTap:
         finally:
             handle.remove()
         return caught[0]
-
-
-@torch.no_grad()
-def per_sample_loss(model: nn.Module, split: Split, device: torch.device, batch_size: int) -> Tensor:
-    """Cross-entropy to the training label of every sample of `split` (eval mode), on the CPU."""
-    model.eval()
-    out = []
-    for start in range(0, len(split), batch_size):
-        x = to_float(split.images[start:start + batch_size].to(device))
-        out.append(F.cross_entropy(model(x).float(), split.labels[start:start + batch_size].to(device),
-                                   reduction="none").cpu())
-    return torch.cat(out) if out else torch.zeros(0)
 
 
 @torch.no_grad()

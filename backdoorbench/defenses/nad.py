@@ -107,7 +107,7 @@ class NeuralAttentionDistillation(Defense):
         checks.number("defense", "weight_decay", weight_decay, 0)
         for key, value in (("lr", lr), ("lr_after_drop", lr_after_drop), ("p", p)):
             checks.number("defense", key, value, 0, low_open=True)
-        betas = list(betas) if isinstance(betas, Sequence) and not isinstance(betas, str) else None
+        betas = list(betas) if checks.is_list(betas) else None
         if not betas or any(not checks.is_number(b) or b < 0 for b in betas):
             raise ConfigError(
                 f"defense.betas={betas!r} is invalid; use a non-empty list of numbers >= 0, one per layer"

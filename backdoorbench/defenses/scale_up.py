@@ -67,7 +67,7 @@ class ScaleUp(InputDefense):
     def __init__(self, *, scales: Sequence[float] = (3, 5, 7, 9, 11), threshold: float = 0.5,
                  standardize: bool = False, clean_fraction: float = 0.0) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        listed = list(scales) if isinstance(scales, Sequence) and not isinstance(scales, str) else None
+        listed = list(scales) if checks.is_list(scales) else None
         if not listed or any(not checks.is_number(s) or not 0 < s < math.inf for s in listed):
             raise ConfigError(f"defense.scales={scales!r} is invalid; use a non-empty list of pixel "
                               "multipliers > 0 (the official [3, 5, 7, 9, 11])")

@@ -193,7 +193,7 @@ class SensitivitySplit:
         if self.clean_ratio + self.poison_ratio >= 1:
             raise ConfigError(f"defense.clean_ratio={clean_ratio} and defense.poison_ratio={poison_ratio} leave no "
                               f"uncertain part; use two ratios that sum below 1 (the official 0.2 and 0.05)")
-        names = list(transforms) if isinstance(transforms, Sequence) and not isinstance(transforms, str) else None
+        names = list(transforms) if checks.is_list(transforms) else None
         if not names or any(name not in TRANSFORMS for name in names):
             raise ConfigError(f"defense.transforms={transforms!r} is invalid; use a non-empty list of: "
                               f"{', '.join(TRANSFORMS)} (the official [rotate, affine])")

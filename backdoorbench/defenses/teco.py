@@ -68,14 +68,14 @@ class Teco(InputDefense):
     def __init__(self, *, corruptions: Sequence[str] = COMMON, severities: Sequence[int] = (1, 2, 3, 4, 5),
                  frr: float = 0.05, chained: bool = False, clean_fraction: float = 0.05) -> None:
         super().__init__(clean_fraction=clean_fraction)
-        names = list(corruptions) if isinstance(corruptions, Sequence) and not isinstance(corruptions, str) else None
+        names = list(corruptions) if checks.is_list(corruptions) else None
         unknown = [c for c in names or [] if c not in COMMON]
         if not names or len(names) < 2 or unknown or len(set(names)) != len(names):
             omitted = "; ".join(f"{k} is left out: {v}" for k, v in OMITTED.items())
             raise ConfigError(f"defense.corruptions={corruptions!r} is invalid; use two or more distinct of: "
                               f"{', '.join(COMMON)} ({omitted})")
         self.corruptions = names
-        levels = list(severities) if isinstance(severities, Sequence) and not isinstance(severities, str) else None
+        levels = list(severities) if checks.is_list(severities) else None
         if (not levels or any(not checks.is_integer(s) or not 1 <= s <= 5 for s in levels)
                 or levels != sorted(set(levels))):
             raise ConfigError(f"defense.severities={severities!r} is invalid; use increasing integers in 1..5 "
