@@ -191,3 +191,32 @@ def test_sentinet_scores_inputs_of_every_model_of_the_zoo(name, shape, classes, 
     assert detector.apply(ctx).extras["n_held"] == 4  # one per class present (at least 1 per class)
     scores = detector.score_inputs(model, data[:2].float() / 255)
     assert scores.shape == (2,) and torch.isfinite(scores).all() and math.isfinite(detector.threshold)
+
+
+@pytest.mark.parametrize(("confidences", "degree"), [((0.99999,), 0), ((0.5, 0.99999), 1)])
+def test_clean_points_in_fewer_than_three_bins_give_a_level_or_a_line(confidences, degree):
+    """A victim that gives noise one class at ~1.0 (LIRA's and WB's on mnist5k) puts every clean
+    input's avg. confidence in the last bin: the boundary is the level of the highest-fooled clean
+    points there (two bins: the line through theirs), and an input fooled beyond them is flagged."""
+    data = spot_data(64, seed=3)
+    detector = SentiNet(rule="boundary", num_calibration=40)
+    fooled_of = {}
+
+    def measure(model, x):  # the clean inputs' points: fooled 0.1..0.3, confidence from `confidences`
+        fooled = torch.linspace(0.1, 0.3, len(x), dtype=torch.float64)
+        confidence = torch.tensor([confidences[i % len(confidences)] for i in range(len(x))], dtype=torch.float64)
+        fooled_of.update(fooled=fooled, confidence=confidence)
+        return fooled, confidence
+
+    detector.measure = measure
+    ctx = context(nn.Sequential(nn.Conv2d(1, 1, 3), nn.Flatten()), SimpleNamespace(split=data, indices=torch.arange(0)),
+                  data, num_classes=4)
+    extras = detector.apply(ctx).extras
+    assert extras["boundary_degree"] == degree and extras["n_boundary_points"] == 2 * len(confidences)
+    assert detector.coef[: 2 - degree].tolist() == [0.0] * (2 - degree)
+    xs, ys = boundary_points(fooled_of["confidence"].numpy(), fooled_of["fooled"].numpy(), 0.04)
+    for x in np.unique(xs):  # at the mean of each bin's points: a level through one bin, a line through two
+        assert np.polyval(detector.coef, x) == pytest.approx(ys[xs == x].mean())
+    top = torch.tensor([0.99999], dtype=torch.float64)
+    assert detector.boundary_scores(torch.tensor([0.9], dtype=torch.float64), top).item() > detector.threshold
+    assert detector.boundary_scores(torch.tensor([0.1], dtype=torch.float64), top).item() < detector.threshold

@@ -85,7 +85,8 @@ class SentiNet(InputDefense):
     points, the two highest-fooled points of each confidence bin of `bin_width`, a least-squares
     parabola through them (scipy's curve_fit), and the threshold d = the summed squared distance
     of the points above the curve over the number of points; an input's score is its squared
-    distance to the parabola, negative below it, flagged above d.
+    distance to the parabola, negative below it, flagged above d. Where the points fill fewer than
+    3 bins the curve is a line (2 bins) or a level (1 bin), where Beatrix's curve_fit fails.
 
     Departures: the held and calibration images are the clean subset (held clean training
     images), where BackdoorBench draws from the clean test set and Beatrix calibrates on 200
@@ -183,14 +184,15 @@ class SentiNet(InputDefense):
         fooled = torch.cat([m[0] for m in measured]).double().numpy()
         confidence = torch.cat([m[1] for m in measured]).double().numpy()
         xs, ys = boundary_points(confidence, fooled, self.bin_width)
-        if len(xs) < 3:
-            raise ConfigError(f"sentinet rule=boundary found {len(xs)} boundary points among {len(order)} clean "
-                              "inputs, a parabola needs 3; raise defense.num_calibration or lower defense.bin_width")
-        self.coef = np.polyfit(xs, ys, 2)  # curve_fit of a x^2 + b x + c: linear least squares
+        # A parabola needs points in 3 bins; where the clean inputs' confidences fill fewer (a victim
+        # that gives the noise one class at ~1.0 puts them all in the last bin) the curve is the
+        # line, or the level, that the points of those bins allow (Beatrix's curve_fit stops there)
+        degree = min(2, len({math.ceil(x / self.bin_width) for x in xs}) - 1)
+        self.coef = np.concatenate([np.zeros(2 - degree), np.polyfit(xs, ys, degree)])  # curve_fit's least squares
         distance = squared_distance_to_parabola(xs, ys, self.coef)
         self.threshold = float(distance[ys > np.polyval(self.coef, xs)].sum() / len(xs))
         calibration = self.boundary_scores(torch.from_numpy(fooled), torch.from_numpy(confidence))
-        extras.update({"boundary_a": float(self.coef[0]), "boundary_b": float(self.coef[1]),
+        extras.update({"boundary_degree": degree, "boundary_a": float(self.coef[0]), "boundary_b": float(self.coef[1]),
                        "boundary_c": float(self.coef[2]), "n_boundary_points": int(len(xs)),
                        "n_calibration": int(len(order)), "clean_fooled_mean": float(fooled.mean()),
                        "clean_confidence_mean": float(confidence.mean()),
