@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from backdoorbench.defenses.sentinet import inert_noise
 from backdoorbench.factory import build
+from backdoorbench.fileio import torch_load
 from backdoorbench.models.base import Normalized
 
 
@@ -34,8 +36,7 @@ def victim(record: dict) -> Normalized:
     net = build(OmegaConf.create(record["config"]["model"]), in_channels=channels,
                 num_classes=record["dataset"]["num_classes"], image_size=size)
     model = Normalized(net, (0.0,) * channels, (1.0,) * channels)  # mean and std come with the weights
-    entry = torch.load(record["victim"]["path"], map_location="cpu", weights_only=True)  # relative: to the run's directory
-    model.load_state_dict(entry["model"])
+    model.load_state_dict(torch_load(record["victim"]["path"], map_location="cpu")["model"])  # a relative path: from the run's directory
     return model.eval()
 
 
@@ -45,23 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--defense", default="sentinet", help="the records whose victims are probed")
     parser.add_argument("--n", type=int, default=500, help="noise images per victim")
     args = parser.parse_args(argv)
-    found: dict[tuple[str, str, str], dict[int, Path]] = defaultdict(dict)
+    found: dict[tuple[str, str, str], dict[int, dict]] = defaultdict(dict)
     for path in sorted((args.results / "runs").glob("*/*/*.json")):
         record = json.loads(path.read_text())
         if record["defense"]["name"] != args.defense or not record.get("victim", {}).get("path"):
             continue
         attack = record["attack"]
-        found[(record["dataset"]["name"], attack["name"], attack["target_mode"])][record["seed"]] = path
+        found[(record["dataset"]["name"], attack["name"], attack["target_mode"])][record["seed"]] = record
     if not found:
         print(f"no records of defense {args.defense!r} with a cached victim under {args.results / 'runs'}", file=sys.stderr)
         return 1
     print("dataset attack mode seeds: the class most noise images get, per seed; its share (mean ± std); the mean top probability")
     for (dataset, attack, mode), seeds in sorted(found.items()):
         shares, tops, classes = [], [], []
-        for seed, path in sorted(seeds.items()):
-            record = json.loads(path.read_text())
-            noise = torch.floor(torch.rand((args.n, *record["dataset"]["image_shape"]),
-                                           generator=torch.Generator().manual_seed(seed)) * 255) / 255
+        for seed, record in sorted(seeds.items()):
+            noise = inert_noise((args.n, *record["dataset"]["image_shape"]), torch.Generator().manual_seed(seed))
             with torch.no_grad():
                 probs = victim(record)(noise).softmax(1)
             counts = torch.bincount(probs.argmax(1), minlength=probs.shape[1])

@@ -105,8 +105,9 @@ def test_decision_boundary_by_hand():
     # bins of 0.04 on the confidence: (0.4, 0.44] holds three points, the two most fooled kept
     confidence = np.array([0.41, 0.42, 0.43, 0.81, 0.82, 0.97])
     fooled = np.array([0.1, 0.5, 0.3, 0.2, 0.6, 0.9])
-    xs, ys = boundary_points(confidence, fooled, 0.04)
+    xs, ys, bins = boundary_points(confidence, fooled, 0.04)
     assert xs.tolist() == [0.43, 0.42, 0.81, 0.82, 0.97] and ys.tolist() == [0.3, 0.5, 0.2, 0.6, 0.9]
+    assert bins.tolist() == [10, 10, 20, 20, 24]
     # the squared distance of a point to y = x^2: (0, 1) is 0.75 from (+-sqrt(1/2), 1/2)
     assert squared_distance_to_parabola(np.array([0.0]), np.array([1.0]), np.array([1.0, 0, 0]))[0] == \
         pytest.approx(0.75)
@@ -214,7 +215,7 @@ def test_clean_points_in_fewer_than_three_bins_give_a_level_or_a_line(confidence
     extras = detector.apply(ctx).extras
     assert extras["boundary_degree"] == degree and extras["n_boundary_points"] == 2 * len(confidences)
     assert detector.coef[: 2 - degree].tolist() == [0.0] * (2 - degree)
-    xs, ys = boundary_points(fooled_of["confidence"].numpy(), fooled_of["fooled"].numpy(), 0.04)
+    xs, ys, _ = boundary_points(fooled_of["confidence"].numpy(), fooled_of["fooled"].numpy(), 0.04)
     for x in np.unique(xs):  # at the mean of each bin's points: a level through one bin, a line through two
         assert np.polyval(detector.coef, x) == pytest.approx(ys[xs == x].mean())
     top = torch.tensor([0.99999], dtype=torch.float64)

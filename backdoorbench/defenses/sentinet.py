@@ -34,22 +34,30 @@ def saliency_masks(model: nn.Module, x: Tensor, threshold: float, layer: nn.Modu
     return (cams >= threshold).unsqueeze(1).to(x.dtype)
 
 
+def inert_noise(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """The inert pattern: uniform noise floored to 8 bits (BackdoorBench's `np.random.rand * 255`, floored)."""
+    return torch.floor(torch.rand(shape, generator=generator) * 255) / 255
+
+
 def paste(x: Tensor, masks: Tensor, backgrounds: Tensor) -> Tensor:
     """Every input's masked region on each background: (B, C, H, W), (B, 1, H, W), (B, N, C, H, W) -> (B, N, C, H, W)."""
     m = masks.unsqueeze(1)
     return x.unsqueeze(1) * m + backgrounds * (1 - m)
 
 
-def boundary_points(confidence: np.ndarray, fooled: np.ndarray, step: float) -> tuple[np.ndarray, np.ndarray]:
+def boundary_points(confidence: np.ndarray, fooled: np.ndarray,
+                    step: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Beatrix's `boundary_sample`: in each confidence bin (step i, step (i + 1)], the two clean
-    points of highest fooled share (a stable sort: of tied points, the later ones)."""
-    xs, ys = [], []
+    points of highest fooled share (a stable sort: of tied points, the later ones). Returns their
+    confidences, fooled shares and bin indices i."""
+    xs, ys, bins = [], [], []
     for i in range(int(1 / step + 1)):
         inside = np.flatnonzero((step * i < confidence) & (confidence <= step * (i + 1)))
         top = inside[np.argsort(fooled[inside], kind="stable")[-2:]]
         xs.extend(confidence[top])
         ys.extend(fooled[top])
-    return np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+        bins.extend([i] * len(top))
+    return np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64), np.asarray(bins, dtype=np.int64)
 
 
 def squared_distance_to_parabola(px: np.ndarray, py: np.ndarray, coef: np.ndarray) -> np.ndarray:
@@ -139,7 +147,7 @@ class SentiNet(InputDefense):
             masks = saliency_masks(model, chunk, self.mask_threshold, layer)
             n = len(self._pool)
             held = to_float(self._pool).to(chunk.dtype).unsqueeze(0).expand(len(chunk), *self._pool.shape)
-            noise = torch.floor(torch.rand((len(chunk), *self._pool.shape), generator=self._generator) * 255) / 255
+            noise = inert_noise((len(chunk), *self._pool.shape), self._generator)
             onto_clean = paste(chunk, masks, held).flatten(0, 1)
             onto_noise = paste(chunk, masks, noise.to(chunk.device, chunk.dtype)).flatten(0, 1)
             predicted = model(onto_clean).argmax(1).view(len(chunk), n)
@@ -183,11 +191,11 @@ class SentiNet(InputDefense):
                     for s in range(0, len(order), 64)]
         fooled = torch.cat([m[0] for m in measured]).double().numpy()
         confidence = torch.cat([m[1] for m in measured]).double().numpy()
-        xs, ys = boundary_points(confidence, fooled, self.bin_width)
+        xs, ys, bins = boundary_points(confidence, fooled, self.bin_width)
         # A parabola needs points in 3 bins; where the clean inputs' confidences fill fewer (a victim
         # that gives the noise one class at ~1.0 puts them all in the last bin) the curve is the
         # line, or the level, that the points of those bins allow (Beatrix's curve_fit stops there)
-        degree = min(2, len({math.ceil(x / self.bin_width) for x in xs}) - 1)
+        degree = min(2, len(np.unique(bins)) - 1)
         self.coef = np.concatenate([np.zeros(2 - degree), np.polyfit(xs, ys, degree)])  # curve_fit's least squares
         distance = squared_distance_to_parabola(xs, ys, self.coef)
         self.threshold = float(distance[ys > np.polyval(self.coef, xs)].sum() / len(xs))
