@@ -249,6 +249,30 @@ def test_the_figure_title_says_seed_0_when_only_seed_0_ran(tmp_path, monkeypatch
     assert titles[0].endswith("mnist5k (seed 0)") and titles[1].endswith("(mean ± std over seeds)")
 
 
+def test_the_figure_joins_each_defense_from_its_asr_after_to_its_asr_reactivated(tmp_path, monkeypatch):
+    from matplotlib.colors import to_rgba
+
+    from backdoorbench.report import fig_defenses as figures
+    from backdoorbench.leaderboard import load_records_with_paths
+    from backdoorbench.records import save_record
+
+    folder = tmp_path / "runs" / "mnist5k" / "badnets_all2one"
+    for seed in range(2):  # fine_tuning: 0% -> 80/90% (red); nad: 50% -> 5% (blue); victim 100% -> 97% (grey)
+        save_record(reactivated([0.0, 0.5, 0.8 + 0.1 * seed], [1.0, 1.0, 0.97], run_id=f"f{seed}", seed=seed), folder / f"f{seed}.json")
+        save_record(reactivated([0.5, 0.2, 0.05], [1.0, 1.0, 0.97], run_id=f"n{seed}", seed=seed, defense={"name": "nad"}),
+                    folder / f"n{seed}.json")
+    drawn = []
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out, name: drawn.append(fig) or [])
+    figures.reactivation_curves([figures.Run(r, p) for r, p in load_records_with_paths(tmp_path)], tmp_path)
+    ax = drawn[0].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["no defense (victim)", "fine_tuning", "nad"]
+    joins = {round(line.get_ydata()[0]): (list(line.get_xdata()), line.get_color()) for line in ax.lines
+             if len(line.get_xdata()) == 2}
+    assert joins[1][0] == pytest.approx([0.0, 85.0]) and to_rgba(joins[1][1]) == to_rgba("tab:red")
+    assert joins[2][0] == pytest.approx([50.0, 5.0]) and to_rgba(joins[2][1]) == to_rgba("tab:blue")
+    assert joins[0][0] == pytest.approx([100.0, 97.0]) and to_rgba(joins[0][1]) == to_rgba("0.45")
+
+
 @pytest.mark.slow  # 30 s: Input-aware trained twice (victim, then with the penalty) on mnist5k
 def test_the_reference_retunes_the_victim_with_its_own_trigger_after_an_in_training_defense(compose_cfg, tmp_path):
     from backdoorbench.pipeline import run

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
-
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
@@ -15,7 +13,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 import numpy as np  # noqa: E402
 
-from backdoorbench.report.plot import (Run, distinct_colour, panel_grid, pick_per_attack, run_setting, save_figure,
+from backdoorbench.report.plot import (Run, panel_grid, pick_per_attack, run_setting, save_figure,
                                       shared_legend)  # noqa: E402
 
 
@@ -109,31 +107,53 @@ def _reactivation_curves(runs: list[Run]) -> dict[str, dict[str, dict[str, dict[
 
 
 def reactivation_curves(runs: list[Run], out: Path, residual_scale: float = 10.0, suffix: str = "") -> list[Path]:
+    """One panel per attack, one row per defense (the undefended victim first): the ASR after the defense
+    (open circle) joined to the ASR after the retuning attack's last step (filled, ± std over seeds). A
+    rise of 10 points or more is drawn red, a fall of as much blue. Rows, not curves: with twenty
+    defenses, per-step curves and their bands overlap into one smear; the per-step numbers are in the
+    records and the leaderboard's reactivation table."""
     written = []
     for dataset, by_attack in sorted(_reactivation_curves(runs).items()):
-        fig, axes, spare = panel_grid(len(by_attack), width=4.8, height=4.2)
         names = sorted({name for by_name in by_attack.values() for name in by_name}, key=lambda n: (n != UNDEFENDED, n))
-        colours = {name: distinct_colour(i) for i, name in enumerate(names)}
-        handles: dict[str, Any] = {}
+        fig, axes, spare = panel_grid(len(by_attack), width=4.6, height=0.8 + 0.24 * len(names))
+        last_steps = set()
         for ax, (label, by_name) in zip(axes, sorted(by_attack.items())):
-            for name in sorted(by_name, key=lambda n: (n != UNDEFENDED, n)):
-                seeds = by_name[name]
+            for row, name in enumerate(names):
+                seeds = by_name.get(name)
+                if not seeds:
+                    continue
                 # seeds share one budget in a sweep; a seed retuned with another budget is left out
                 steps = max((tuple(st) for st, _ in seeds.values()), key=lambda st: sum(tuple(x) == st for x, _ in seeds.values()))
                 values = np.array([asr for st, asr in seeds.values() if tuple(st) == steps], dtype=float) * 100
-                mean, std = values.mean(0), values.std(0, ddof=1) if len(values) > 1 else np.zeros(values.shape[1])
-                style = dict(color=colours[name], linestyle="--" if name == UNDEFENDED else "-", marker="o", markersize=3)
-                ax.plot(steps, mean, label=name, **style)
-                if len(values) > 1:
-                    ax.fill_between(steps, mean - std, mean + std, color=colours[name], alpha=0.2, linewidth=0)
-                handles.setdefault(name, Line2D([], [], label=name, **style))
+                last_steps.add(steps[-1])
+                start, final = values[:, 0].mean(), values[:, -1].mean()
+                spread = values[:, -1].std(ddof=1) if len(values) > 1 else 0.0
+                rise = final - start
+                colour = "tab:red" if rise >= 10 else "tab:blue" if rise <= -10 else "0.45"
+                ax.plot([start, final], [row, row], color=colour, linewidth=1.6, zorder=1)
+                if spread:  # the spread of the final ASR, a thin bar just under the row
+                    ax.errorbar(final, row + 0.25, xerr=spread, fmt="none", ecolor=colour, alpha=0.6, capsize=2,
+                                elinewidth=0.8, zorder=2)
+                ax.plot(final, row, "o", color=colour, markersize=5, zorder=3)
+                ax.plot(start, row, "o", markerfacecolor="white", markeredgecolor=colour, markersize=5, zorder=4)
             ax.set_title(label, fontsize=9)
-            ax.set_xlabel("retuning steps (SGD)")
-            ax.set_ylabel("ASR % on the test set")
-            ax.set_ylim(-2, 102)
-        shared_legend(fig, list(handles.values()), spare)
+            ax.set_xlim(-3, 103)
+            ax.set_ylim(len(names) - 0.4, -0.6)
+            ax.set_yticks(range(len(names)))
+            ax.set_yticklabels(names, fontsize=8)
+            ax.grid(axis="x", color="0.9")
+            ax.set_xlabel("ASR % on the test set")
+        after = "/".join(str(s) for s in sorted(last_steps))
+        handles = [Line2D([], [], linestyle="", marker="o", markerfacecolor="white", markeredgecolor="0.3",
+                          label="after the defense"),
+                   Line2D([], [], linestyle="", marker="o", color="0.3", label=f"after {after} retuning steps (SGD)"),
+                   Line2D([], [], color="tab:red", label="rises 10 points or more"),
+                   Line2D([], [], color="tab:blue", label="falls 10 points or more"),
+                   Line2D([], [], color="0.45", label="within 10 points"),
+                   Line2D([], [], linestyle="", label="empty row: no reactivation record (n/a, or not run)")]
+        shared_legend(fig, handles, spare)
         seeds = sorted({seed for by_name in by_attack.values() for curve in by_name.values() for seed in curve})
         over = f"seed {seeds[0]}" if len(seeds) == 1 else "mean ± std over seeds"
-        fig.suptitle(f"ASR recovered by the retuning attack vs steps, {dataset} ({over})")
+        fig.suptitle(f"ASR after the defense and after the retuning attack, {dataset} ({over})")
         written += save_figure(fig, out, f"{dataset}_10_reactivation{suffix}")
     return written

@@ -89,7 +89,7 @@ FIGURES = (
            "--multirun experiment=angular_margin_xu2020"),
     Figure(9, "CA/ASR after vs clean-data budget", clean_budget_curves,
            "--multirun experiment=clean_budget attack=<name> seed=0,1,2"),
-    Figure(10, "ASR vs retuning steps (reactivation)", reactivation_curves,
+    Figure(10, "ASR after the defense and after retuning (reactivation)", reactivation_curves,
            "--multirun attack=<name> defense=<name>,<name> eval.reactivation.enabled=true seed=0,1,2"),
     Figure(11, "ROC curves of the detectors", detection_roc,
            "--multirun attack=<name> defense=spectral,activation_clustering,strip eval.detection_only=true seed=0,1,2"),
