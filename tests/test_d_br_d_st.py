@@ -322,6 +322,12 @@ def test_d_st_detects_with_its_split_and_trains_a_model_that_classifies():
     assert result.model(test.images[:3].float() / 255).shape == (3, 4)
     ca, asr = measure(result.model, test)
     assert ca > 0.5 and asr < 0.5  # brightness survives the views; the corner, unsupervised, does not teach 0
+    # the diagnostics of the linear stage: the frozen features' scale, the classifier's training accuracy
+    model = result.model.eval()
+    assert result.extras["feature_sq_norm"] > 0 and 0 <= result.extras["classifier_train_acc"] <= 1
+    with torch.no_grad():
+        own = float(model.features(train.images[:8].float() / 255).flatten(1).pow(2).sum(1).mean())
+    assert DST.feature_sq_norm(model, train.images[:8], torch.device("cpu")) == pytest.approx(own, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- the zoo, bad values

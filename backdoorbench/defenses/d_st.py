@@ -184,6 +184,13 @@ class DST(Defense):
 
         return step
 
+    @staticmethod
+    @torch.no_grad()
+    def feature_sq_norm(model: nn.Module, images: Tensor, device: torch.device) -> float:
+        """Mean squared L2 norm of the penultimate features of `images` (uint8), the model in eval mode."""
+        model.eval()
+        return float(features_of(model, to_float(images.to(device))).float().pow(2).sum(1).mean())
+
     def apply(self, ctx: DefenseContext) -> DefenseResult:
         separation, extras = self.split.run(ctx)
         detected = dict(sample_scores=separation.scores, flagged=torch.zeros(len(separation.scores), dtype=torch.bool))
@@ -215,6 +222,8 @@ class DST(Defense):
         extras["contrastive_loss"] = history[-1]["loss"]
         # ST 2: the classifier on the clean and the poisoned parts, the features frozen
         kept = torch.cat([separation.clean, separation.poisoned]).sort().values
+        # the scale the linear classifier's lr meets: mean squared L2 norm of the frozen features
+        extras["feature_sq_norm"] = self.feature_sq_norm(model, coded.images[kept[:1024]], trainer.device)
         trained = {id(p) for p in model.classifier.parameters()}
         held = [p for p in model.parameters() if id(p) not in trained and p.requires_grad]
         for p in held:
@@ -230,6 +239,7 @@ class DST(Defense):
             for p in held:
                 p.requires_grad_(True)
         extras["classifier_loss"] = history[-1]["loss"]
+        extras["classifier_train_acc"] = history[-1]["train_acc"]
         return DefenseResult(model=model.eval(), extras=extras, **detected)
 
     def describe(self) -> dict:
