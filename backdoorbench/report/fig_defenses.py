@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
