@@ -88,6 +88,7 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
     # Under torchrun the run's processes are one user of the cache: rank 0 alone locks, looks and
     # writes; the others read the entry only once rank 0 found it (a lock per process would
     # deadlock them against the training's collectives).
+    attack.bind_run(data=data, network_cache=cache.root / "networks" if cache is not None else None)
     with cache.locked() if cache is not None and distributed.is_main() else nullcontext():
         if cache is not None:
             rng = torch.get_rng_state()

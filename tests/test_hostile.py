@@ -192,6 +192,8 @@ PREFLIGHT_CASES: list[tuple[list[str], str]] = [
     (["attack=lf", "attack.resource=/no/such/lf.npy"], "attack.resource='/no/such/lf.npy' does not exist"),
     (["attack=poison_ink", "attack.colour=[80,160]"], "attack.colour=[80, 160] is invalid; use three 0-255 levels"),
     (["attack=poison_ink", "attack.resource=/no/such/netH.pth"], "attack.resource='/no/such/netH.pth' does not exist"),
+    (["attack=ssba", "attack.code_bits=4"], "attack.code_bits=4 is invalid; use an integer >= 8"),
+    (["attack=ssba", "attack.resource=/no/such/ssba"], "attack.resource='/no/such/ssba' does not exist"),
     (["model=timm", "model.name=resnet18", "model.weights=/no/such/weights.pt"], "model.weights='/no/such/weights.pt' does not exist"),
     (["trainer.batch_size=0"], "trainer.batch_size=0 is invalid"),
     (["eval.detection_only=maybe"], "Value 'maybe' is not a valid bool"),

@@ -141,6 +141,7 @@ TINY_STEP = {"input_aware": ["attack.mask_epochs=1"],
              # one epoch of the networks, at the widths of the quick protocol
              "poison_ink": ["attack.epochs=1", "attack.stages=[[crop,flip]]", "attack.width=8", "attack.depth=2",
                             "attack.extractor_width=8", "attack.extractor_blocks=1"],
+             "ssba": ["attack.epochs=1", "attack.width=8"],
              # the backdoor loss from the first batch (the default waits for 1,000 batches of clean loss)
              "blind": ["attack.loss_threshold=null"],
              # the paper's 0.003 payload and cover (protocol backdoorbench) poison none of these tens of images
@@ -320,6 +321,9 @@ def check_trigger(attack, data, poisoned) -> None:
         assert torch.equal(xt, (xt * 255).round() / 255)
         with torch.no_grad():
             assert torch.equal(attack.apply_trigger(x.clone()), xt)
+    elif name == "ssba":  # the encoded image: a change that differs from image to image (not one pattern)
+        change = (xt - x).flatten(1)
+        assert float((change - change.mean(0)).norm(dim=1).mean()) > 0.1 * float(change.mean(0).norm())
     elif name in ("lira", "wb"):  # eps-bounded noise (test_eps) in pixel units
         assert float(diff.max()) <= attack.test_eps + 1e-6
     elif name in ("ftrojan", "ctrl"):  # the change's spectrum peaks at the bumped coefficients of each tile
@@ -360,7 +364,7 @@ def slow(dataset: str, attack: str) -> bool:
 
 def test_the_cost_lists_are_read_from_the_classes():
     """SLOW is the attacks that learn their trigger; QUICK_AT_64PX one attack of each kind."""
-    assert SLOW == {"label_consistent", "trojannn", "input_aware", "lira", "wb", "lf", "poison_ink"}  # the seven that train networks
+    assert SLOW == {"label_consistent", "trojannn", "input_aware", "lira", "wb", "lf", "poison_ink", "ssba"}  # the eight that train networks
     assert len(QUICK_AT_64PX) == 3 and not QUICK_AT_64PX & SLOW
     assert CLEAN_LABEL == {"sig", "label_consistent", "refool", "ctrl"}  # read from the classes: the four clean-label papers
 

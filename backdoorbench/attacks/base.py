@@ -167,6 +167,12 @@ class Attack:
             labels[indices] = self.target_rule(labels[indices])
         return PoisonedData(Split(images, labels), indices)
 
+    def bind_run(self, *, data, network_cache: Path | None) -> None:
+        """Called by the pipeline once the data has loaded, before the preparation or a victim-cache
+        load: the run's dataset (for a trigger that looks up pre-made images of it, SSBA's resource)
+        and the folder where an attack that trains networks of its own keeps them content-hashed
+        (SSBA's encoder; None: the cache is off). Nothing by default."""
+
     def prepare(
         self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]
     ) -> None:
