@@ -9,8 +9,10 @@ An entry is one `torch.save` file, read back with `weights_only=True` (tensors, 
 only), holding what the rest of the run needs to continue exactly as if it had just trained:
 the victim's weights, the attack's state (`Attack.state_dict()`, e.g. LIRA's generator) and its
 random generators and stats, the poisoned training rows (only those that differ from the clean
-split: a few percent of it) and the global RNG state after training. So a run from the cache gives
-the same record as the run that filled it, but for `victim.cache` and the timings.
+split: a few percent of it), the global RNG state after training and what mounting the attack
+cost (the record's `attack_cost`; an entry written before it was kept gives its `poison_s` only).
+So a run from the cache gives the same record as the run that filled it, but for `victim.cache` and
+the timings.
 
 Two processes that need the same victim take an exclusive `flock` on `<key>.lock`: the first
 trains and writes (temp file + fsync + rename), the second waits, then loads. A corrupt or foreign
@@ -80,6 +82,7 @@ class CachedVictim:
     train_s: float
     poison_s: float
     trained_by: dict[str, Any] | None = None  # git commit / dirty flag of the code that trained it
+    attack_cost: dict[str, Any] | None = None  # the record's attack_cost when it was made; None in older entries
 
 
 def _attack_generators(attack: Attack) -> dict[str, torch.Generator]:
@@ -147,11 +150,13 @@ class VictimCache:
             log.warning("victim cache: entry %s is unusable (%s: %s); retraining it", self.path, type(exc).__name__, reason)
             return None
         trained_by = json.loads(entry["trained_by"]) if isinstance(entry.get("trained_by"), str) else None
+        cost = json.loads(entry["attack_cost"]) if isinstance(entry.get("attack_cost"), str) else None
         return CachedVictim(poisoned=poisoned, train_s=float(entry["train_s"]), poison_s=float(entry["poison_s"]),
-                            trained_by=trained_by)
+                            trained_by=trained_by, attack_cost=cost)
 
     def save(self, model: nn.Module, attack: Attack, train: Split, poisoned: PoisonedData,
-             train_s: float, poison_s: float, trained_by: dict[str, Any] | None = None) -> None:
+             train_s: float, poison_s: float, trained_by: dict[str, Any] | None = None,
+             attack_cost: dict[str, Any] | None = None) -> None:
         changed = _changed_rows(train, poisoned)
         entry = {
             "format": ENTRY_FORMAT,
@@ -172,6 +177,7 @@ class VictimCache:
             "train_s": float(train_s),
             "trained_by": json.dumps(trained_by),
             "poison_s": float(poison_s),
+            "attack_cost": json.dumps(attack_cost),  # a string: entries load with weights_only
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         atomic_torch_save(entry, self.path)

@@ -31,6 +31,7 @@ from backdoorbench.defenses.runner import DETECTION_ONLY_REASON, benign_false_po
 from backdoorbench.errors import StorageError
 from backdoorbench.factory import build, build_attack, build_model
 from backdoorbench.metrics import defense_effectiveness_rating, evaluate
+from backdoorbench.metrics.cost import attack_cost_line
 from backdoorbench.metrics.reactivation import measure_reactivation
 from backdoorbench.metrics.robustness import transfer_accuracy
 from backdoorbench.metrics.stealth import stealth_metrics
@@ -199,7 +200,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
              cfg.model._target_.rsplit(".", 1)[-1], data.name, attack.name, attack.target_mode,
              defense.name if defense else "none", trainer.device, trainer.precision, protocol, victim_trainer.epochs)
 
-    victim, poisoned, model = obtain_victim(
+    victim, poisoned, model, cost = obtain_victim(
         cfg, config, run_id, data, attack, victim_trainer, timings, results_dir,
         clean_model=lambda: clean_control(cfg, config, run_id, data, attack, trainer, results_dir))
     with timed(timings, "eval_attacked"):
@@ -261,6 +262,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[RunRecord,
         reactivation=reactivation,
         defense_cost=stage.cost,
         benign=stage.benign,
+        attack_cost=cost,
     )
     record.report = run_report(record)  # what reporting reads, decided here (run_facts.py)
     if not distributed.is_main():
@@ -296,7 +298,7 @@ def clean_control(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
     on_epoch, trainer.on_epoch = trainer.on_epoch, None  # its epochs are not this run's
     try:
         with torch.random.fork_rng(devices=[]):  # the run's own draws stay as without the probe
-            block, _, model = obtain_victim(clean_cfg, clean_config, f"{run_id}-clean", data, none, trainer, {}, results_dir)
+            block, _, model, _ = obtain_victim(clean_cfg, clean_config, f"{run_id}-clean", data, none, trainer, {}, results_dir)
     finally:
         trainer.on_epoch = on_epoch
     return model, block
@@ -417,5 +419,7 @@ def summary_table(record: RunRecord, path: Path) -> str:
     else:
         trained = f"train {record.timings_s['train']:.1f} s"
     lines.append(f"time {record.timings_s['total']:.1f} s ({trained}) on {record.env['device']}")
+    if cost_line := attack_cost_line(record.attack_cost):
+        lines.append(cost_line)
     lines.append(f"record: {path}")
     return "\n".join(lines)

@@ -16,7 +16,8 @@ Versions:
   method's own setting; the config holds every key the run's code read (`upgrade` gives an older
   config the keys added since, at the values its code ran with, `eval.detection_only` too, which
   was added within version 3). A detection-only run (`eval.detection_only`) has `metrics.defended`
-  and `der` null and says why in `metrics.defended_reason`.
+  and `der` null and says why in `metrics.defended_reason`. `attack_cost` (metrics/cost.py) was
+  added within version 3: a record made before lacks it and loads with it null.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from backdoorbench.fileio import atomic_write_text, write_new_bytes
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 METRIC_KEYS = ("clean_acc", "asr", "ra")
-# Fields a record of each version may lack (added within version 1; the older records lack them).
-OPTIONAL_FIELDS = {1: {"victim", "artifacts", "repeat", "defense_cost", "benign", "reactivation", "report"},
-                   2: {"artifacts", "repeat", "report"}, 3: {"artifacts", "repeat"}}
+# Fields a record of each version may lack (added within that version or later; the older records lack them).
+OPTIONAL_FIELDS = {1: {"victim", "artifacts", "repeat", "defense_cost", "benign", "reactivation", "report",
+                       "attack_cost"},
+                   2: {"artifacts", "repeat", "report", "attack_cost"}, 3: {"artifacts", "repeat", "attack_cost"}}
 # The files of one run beside each other: the record, its artifacts, its epoch log.
 RUN_FILE_SUFFIXES = (".json", ".npz", ".epochs.csv")
 
@@ -85,6 +87,9 @@ class RunRecord:
     # What reporting reads (REPORT_KEYS), decided by the run (run_facts.py); for a record older than
     # version 3, by `upgrade` from the record and the facts frozen for it (records_v2_facts.json).
     report: dict[str, Any] | None = None
+    # What mounting the attack cost per training image, seconds and network passes (metrics/cost.py
+    # attack_cost); null in records made before it was kept.
+    attack_cost: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +171,7 @@ def validate_record(data: Any) -> None:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < 0):
                 raise RecordError(f"defense_cost.{key} must be a number >= 0 or null, got {value!r}")
+    _check_attack_cost(data.get("attack_cost"))
     benign = data.get("benign")
     if benign is not None:
         if not isinstance(benign, dict):
@@ -212,6 +218,20 @@ def _check_report(block: Any) -> None:
     setting = block["setting"]
     if sorted(setting) != ["attack", "defense"] or not all(isinstance(v, dict) for v in setting.values()):
         raise RecordError(f"report.setting must be an object with the objects attack and defense, got {setting!r}")
+
+
+def _check_attack_cost(block: Any, where: str = "attack_cost") -> None:
+    """Null, or an object of numbers >= 0, nulls, strings, the flag `cached` and objects alike (passes, ...)."""
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise RecordError(f"{where} must be an object or null")
+    for key, value in block.items():
+        if isinstance(value, dict):
+            _check_attack_cost(value, f"{where}.{key}")
+        elif not (value is None or isinstance(value, str) or (key == "cached" and isinstance(value, bool))) and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
+            raise RecordError(f"{where}.{key} must be a number >= 0 or null, got {value!r}")
 
 
 def _check_reactivation(block: Any) -> None:

@@ -21,6 +21,7 @@ from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.fileio import atomic_torch_save, file_sha256, torch_load
 from backdoorbench.progress import track
+from backdoorbench.train.passes import CallCounter
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ class PoisonInk(SurrogateCrafted, Attack):
     The networks are trained once per training set and setting and kept in the run's cache
     (`<cache_dir>/poison_ink/<key>.pt`, the key a hash of the training images, every value that
     shapes the networks, the seed and the device type), resumed from their last epoch when a run is
-    killed; the record says how long they took and their final losses. `resource` takes
+    killed; the record says how long they took, the images they passed forward and backward, and their
+    final losses, and a run from the cache adds that cost to its `attack_cost` (`prepare_cost`). `resource` takes
     BackdoorBench's trained injection network (netH_epoch_<n>.pth) instead.
 
     Departures (docs/fidelity.md#poison-ink): the edge maps of a batch are computed in torch (the
@@ -248,6 +250,10 @@ class PoisonInk(SurrogateCrafted, Attack):
                 self.injection.load_state_dict(state["injection"])
                 self.injection.eval()
                 self.stats = {**state["stats"], "networks": "cache_hit", "networks_key": key, "networks_path": str(entry)}
+                # what training them cost, recorded then (the record's attack_cost adds it; None in older entries)
+                self.stats["prepare_cost"] = {"cached": True, "seconds": self.stats.get("networks_s"),
+                                              "forward_images": self.stats.get("network_forward_images"),
+                                              "backward_images": self.stats.get("network_backward_images")}
                 log.info("poison_ink: networks %s from the cache (%s); they took %.1f s to train", key, entry,
                          self.stats.get("networks_s", float("nan")))
                 return
@@ -318,13 +324,14 @@ class PoisonInk(SurrogateCrafted, Attack):
             torch.manual_seed(seed)
             injection, extraction = self.build_injection().to(device), self.build_extraction().to(device)
         total = len(self.stages) * self.epochs
-        done, seconds, history = 0, 0.0, []
+        done, seconds, history, passes = 0, 0.0, [], CallCounter()  # images through the two networks
         state = torch_load(partial, map_location="cpu") if partial is not None and partial.exists() else None
         if state is not None:
             injection.load_state_dict(state["injection"])
             extraction.load_state_dict(state["extraction"])
             generator.set_state(state["generator"])
             done, seconds, history = int(state["done"]), float(state["seconds"]), list(state["history"])
+            passes.add(forward_images=int(state.get("forward_images", 0)), backward_images=int(state.get("backward_images", 0)))
             log.info("poison_ink: networks resumed from %s after %d of %d epochs", partial, done, total)
         optimizers = None
         started = time.perf_counter()
@@ -347,10 +354,11 @@ class PoisonInk(SurrogateCrafted, Attack):
                 rows = order[start:start + self.batch_size]
                 cover = to_float(images[rows]).to(device)
                 colours = (torch.randint(1, 6, (len(rows), 3), generator=generator) * 40).float().to(device)
-                terms = self.losses(injection, extraction, cover, colours, self.stages[stage], generator)
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                terms["loss"].backward()
+                with passes.counting():
+                    terms = self.losses(injection, extraction, cover, colours, self.stages[stage], generator)
+                    for opt in optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    terms["loss"].backward()
                 for opt in optimizers:
                     opt.step()
                 for name, value in terms.items():
@@ -365,11 +373,13 @@ class PoisonInk(SurrogateCrafted, Attack):
                 atomic_torch_save({"injection": dict(injection.state_dict()), "extraction": dict(extraction.state_dict()),
                                    "generator": generator.get_state(), "done": step + 1, "stage": stage,
                                    "seconds": seconds + time.perf_counter() - started, "history": history,
+                                   "forward_images": passes.forward_images, "backward_images": passes.backward_images,
                                    "optimizers": [opt.state_dict() for opt in optimizers],
                                    "schedulers": [sched.state_dict() for sched in schedulers]}, partial)
         seconds += time.perf_counter() - started
         final = history[-1] if history else {}
         stats = {"networks_s": round(seconds, 2), "network_epochs": len(history),
+                 "network_forward_images": passes.forward_images, "network_backward_images": passes.backward_images,
                  "final_losses": {k: final[k] for k in ("loss", "image", "extract", "edge", "back", "clean") if k in final}}
         injection.eval()
         extraction.eval()

@@ -1,5 +1,6 @@
 """The one trainer every attack and defense uses (trainer.py), with its batched augmentation, batching,
-checkpoints, and the official defense recipes applied to a copy of it."""
+checkpoints, the official defense recipes applied to a copy of it, and the count of images through networks
+(passes.py)."""
 
 from backdoorbench.train.augment import apply_augmentation, augment_batch, draw_augmentation, draw_rotation, rotate
 from backdoorbench.train.batches import batch_bounds, refresh_every, shard_bounds, to_device

@@ -44,6 +44,7 @@ from backdoorbench.precision import precision_context, resolve_precision
 from backdoorbench.train.augment import apply_augmentation, draw_augmentation, draw_rotation, rotate
 from backdoorbench.train.batches import batch_bounds, refresh_every, shard_bounds, to_device
 from backdoorbench.train.checkpoint import load_checkpoint, save_checkpoint
+from backdoorbench.train.passes import epoch_done
 
 log = logging.getLogger("backdoorbench.train")  # the name it had as one module: log configs use it
 
@@ -83,6 +84,8 @@ class _StepModule(nn.Module):
     (LIRA's look-ahead); wrapping the whole step keeps all of that inside one DDP forward, and
     the step still gets the plain model, with all its attributes.
     """
+
+    _backdoorbench_transparent = True  # train/passes.py counts the networks the step calls, not this wrapper
 
     def __init__(self, net: nn.Module, step: StepFn, extra_params: list[nn.Parameter]) -> None:
         super().__init__()
@@ -366,6 +369,7 @@ class Trainer:
             else:
                 scheduler.step()
             history.append(row)
+            epoch_done(len(split))  # the running pass counters' training images (train/passes.py)
             if distributed.is_main():
                 log.info("%s epoch %d/%d: loss %.4f, acc %.4f, lr %.4g, %.1f s", desc, epoch, epochs,
                          row["loss"], row["train_acc"], row["lr"], row["time_s"])
