@@ -155,12 +155,16 @@ def test_network_cache_hit_and_resumed_training(tmp_path):
     first.bind_run(data=None, network_cache=tmp_path)
     first.prepare(trainer=CPU(), train=train, generator=torch.Generator().manual_seed(3), build_model=None)
     assert first.stats["networks"]["cache"] == "miss"
+    # the record's cost: 2 epochs of 32 images, each through the encoder and the decoder, forward and backward
+    assert first.stats["networks"]["forward_images"] == first.stats["networks"]["backward_images"] == 2 * 2 * 32
     assert len(list((tmp_path / "ssba").glob("*.pt"))) == 1  # the partial file is gone
     again = attack(**quick, target_mode="all2all")  # another mode shares the networks
     again.bind_run(data=None, network_cache=tmp_path)
     g = torch.Generator().manual_seed(3)
     again.prepare(trainer=CPU(), train=train, generator=g, build_model=None)
     assert again.stats["networks"]["cache"] == "hit" and again.stats["networks"]["seconds"] > 0
+    assert again.describe()["prepare_cost"] == {"cached": True, "seconds": first.stats["networks"]["seconds"],
+                                                "forward_images": 128, "backward_images": 128}
     assert torch.equal(g.get_state(), first_generator_after(3))  # a hit draws what a training draws
     x = to_float(train.images[:4])
     assert torch.equal(again.apply_trigger(x), first.apply_trigger(x))
@@ -171,7 +175,7 @@ def test_network_cache_hit_and_resumed_training(tmp_path):
     attack(epochs=1).train_networks(train, seed, torch.device("cpu"), partial=partial)
     assert partial.exists()
     resumed, stats = attack(**quick).train_networks(train, seed, torch.device("cpu"), partial=partial)
-    assert stats["steps"] == 4
+    assert stats["steps"] == 4 and stats["forward_images"] == stats["backward_images"] == 2 * 2 * 32  # both parts
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), name
 

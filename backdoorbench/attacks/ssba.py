@@ -21,6 +21,7 @@ from backdoorbench.datasets.base import Split, to_float, to_uint8
 from backdoorbench.errors import ConfigError, DataError
 from backdoorbench.fileio import atomic_torch_save, torch_load
 from backdoorbench.progress import track
+from backdoorbench.train.passes import CallCounter
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,9 @@ class SSBA(Attack):
     key hashing the training images, the image shape, every training value, the seed drawn for them,
     the device type and the code version), so all2one and all2all, and every defense, share them;
     a killed training resumes from its last epoch (`<key>.partial.pt`). The record says the seconds,
-    the final losses and the decoder's bit accuracy on the attack's code (`networks`).
+    the final losses, the images through the two networks forward and backward, and the decoder's bit
+    accuracy on the attack's code (`networks`); a run from the cache adds what the training cost to
+    its `attack_cost` (`prepare_cost`).
 
     `resource` takes BackdoorBench's pre-made poisoned sets instead (resource/ssba/
     <dataset>_ssba_{train,test}_b1.npy, each the poisoned version of every image of the split, in
@@ -333,6 +336,10 @@ class SSBA(Attack):
                     raise ValueError("not this attack's networks")
                 self._load_encoder(entry["encoder"])
                 self.stats = {"networks": {**entry["stats"], "cache": "hit", "key": key, "path": str(path)}}
+                # what training them cost, recorded then (the record's attack_cost adds it; None in older entries)
+                self.stats["prepare_cost"] = {"cached": True, "seconds": entry["stats"].get("seconds"),
+                                              "forward_images": entry["stats"].get("forward_images"),
+                                              "backward_images": entry["stats"].get("backward_images")}
                 log.info("ssba: encoder/decoder %s from the cache (%s)", key, path)
                 return
             except Exception as exc:  # a truncated or foreign file: train over it
@@ -358,7 +365,9 @@ class SSBA(Attack):
             decoder = StegaStampDecoder(channels, height, width, self.code_bits, self.width).to(device)
         optimizer = torch.optim.Adam([*decoder.parameters(), *encoder.parameters()], lr=self.lr)
         rng = torch.Generator().manual_seed(seed)
-        state = {"epoch": 0, "step": 0, "since_l2": -1, "seconds": 0.0, "bce": None, "l2": None, "bit_acc": None}
+        state = {"epoch": 0, "step": 0, "since_l2": -1, "seconds": 0.0, "bce": None, "l2": None, "bit_acc": None,
+                 "forward_images": 0, "backward_images": 0}
+        passes = CallCounter()  # images through the encoder and the decoder
         if partial is not None and partial.exists():
             try:
                 saved = torch_load(partial, map_location="cpu")
@@ -367,6 +376,8 @@ class SSBA(Attack):
                 optimizer.load_state_dict(saved["optimizer"])
                 rng.set_state(saved["rng"])
                 state = dict(saved["state"])
+                passes.add(forward_images=int(state.get("forward_images", 0)),
+                           backward_images=int(state.get("backward_images", 0)))
                 log.info("ssba: encoder/decoder training resumed after epoch %d", state["epoch"])
             except Exception as exc:
                 log.warning("ssba: partial training %s is unusable (%s); starting over", partial, type(exc).__name__)
@@ -386,13 +397,14 @@ class SSBA(Attack):
             for group in optimizer.param_groups:
                 group["lr"] = self.lr * (0.1 if state["step"] >= drop_at else 1.0)
             l2_weight = min(max(0.0, self.l2_weight * (state["since_l2"] - self.l2_await) / self.l2_ramp), self.l2_weight)
-            encoded = encoder(codes, images)
-            logits = decoder(encoded)
-            l2 = F.mse_loss(encoded, images)
-            bce = F.binary_cross_entropy_with_logits(logits.flatten(), codes.flatten())
-            loss = l2_weight * l2 + bce
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            with passes.counting():
+                encoded = encoder(codes, images)
+                logits = decoder(encoded)
+                l2 = F.mse_loss(encoded, images)
+                bce = F.binary_cross_entropy_with_logits(logits.flatten(), codes.flatten())
+                loss = l2_weight * l2 + bce
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
             optimizer.step()
             bit_acc = float(((logits > 0).float() == codes).float().mean())
             if state["since_l2"] == -1:
@@ -400,7 +412,8 @@ class SSBA(Attack):
                     state["since_l2"] = 0
             else:
                 state["since_l2"] += 1
-            state.update(step=state["step"] + 1, bce=float(bce.detach()), l2=float(l2.detach()), bit_acc=bit_acc, l2_weight=l2_weight)
+            state.update(step=state["step"] + 1, bce=float(bce.detach()), l2=float(l2.detach()), bit_acc=bit_acc, l2_weight=l2_weight,
+                         forward_images=passes.forward_images, backward_images=passes.backward_images)
             if state["step"] % per_epoch == 0:
                 state["epoch"] = state["step"] // per_epoch
                 state["seconds"] = time.perf_counter() - started
@@ -422,7 +435,8 @@ class SSBA(Attack):
                  "final_bce": _round(state["bce"]), "final_l2": _round(state["l2"]), "final_l2_weight": _round(state.get("l2_weight")),
                  "final_batch_bit_accuracy": _round(state["bit_acc"]), "l2_started_at_step": None if state["since_l2"] < 0
                  else state["step"] - state["since_l2"], "code_bit_accuracy": round(code_acc, 4),
-                 "code_psnr_db": round(psnr, 2)}
+                 "code_psnr_db": round(psnr, 2), "forward_images": passes.forward_images,
+                 "backward_images": passes.backward_images}
         log.info("ssba: encoder/decoder trained in %.0f s (%d steps): BCE %.4f, L2 %.5f, bit accuracy on the code %.3f, "
                  "PSNR %.1f dB", seconds, state["step"], stats["final_bce"] or 0, stats["final_l2"] or 0, code_acc, psnr)
         return encoder.cpu(), stats
