@@ -115,6 +115,18 @@ def test_the_8_bit_colour_conversions_are_opencvs():
     assert np.abs(rgb - back).max() <= 1 and (rgb != back).mean() < 0.01
 
 
+def test_positions_and_channels_from_the_config_are_taken():
+    """Hydra hands lists over as OmegaConf ListConfigs: a positions or channels override from the
+    command line is taken, and a bad one still refused in one line showing the plain list."""
+    from omegaconf import OmegaConf
+    for cls in (FTrojan, CTRL):
+        attack = cls(num_classes=10, image_shape=(3, 32, 32), positions=OmegaConf.create([[15, 15], [31, 31]]),
+                     channels=OmegaConf.create([1, 2]))
+        assert attack.positions == ((15, 15), (31, 31)) and attack.channels == (1, 2)
+        with pytest.raises(ConfigError, match=r"positions=\[\[15, 32\]\] is invalid"):
+            cls(num_classes=10, image_shape=(3, 32, 32), positions=OmegaConf.create([[15, 32]]))
+
+
 # --- FTrojan ---------------------------------------------------------------------------------------
 
 def test_ftrojan_is_the_official_pipeline_with_levels_rounded():

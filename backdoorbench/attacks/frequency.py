@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -144,6 +145,17 @@ def trigger(x: Tensor, magnitude: float, channels: tuple[int, ...], window: int,
     return (levels / 255.0).clamp(0.0, 1.0).to(x.dtype)
 
 
+def _shown(value: Any) -> str:
+    """A value as the user wrote it: an OmegaConf list shown as a plain list."""
+    try:
+        from omegaconf import OmegaConf
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+    except ImportError:
+        pass
+    return repr(value)
+
+
 def resolve_geometry(group: str, image_shape: tuple[int, int, int], window: int | None,
                      positions: list | None, channels: list | None, chroma: tuple[int, ...]
                      ) -> tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]:
@@ -162,15 +174,15 @@ def resolve_geometry(group: str, image_shape: tuple[int, int, int], window: int 
         raise ConfigError(f"{group}.window={window} does not tile {h}x{w} images; use a divisor of {math.gcd(h, w)}")
     if positions is None:
         positions = [[p * window // OFFICIAL_WINDOW for p in pair] for pair in OFFICIAL_POSITIONS]
-    if not isinstance(positions, (list, tuple)) or not positions or not all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and all(checks.is_integer(i) and 0 <= i < window for i in p)
+    if not checks.is_list(positions) or not positions or not all(
+            checks.is_list(p) and len(p) == 2 and all(checks.is_integer(i) and 0 <= i < window for i in p)
             for p in positions):
-        raise ConfigError(f"{group}.positions={positions!r} is invalid; use a list of [row, column] coefficient "
+        raise ConfigError(f"{group}.positions={_shown(positions)} is invalid; use a list of [row, column] coefficient "
                           f"indices in [0, {window - 1}], e.g. [[15, 15], [31, 31]] in a 32-pixel window")
     if channels is None:
         channels = list(chroma) if c == 3 else [0]
-    if not isinstance(channels, (list, tuple)) or not channels or not all(
+    if not checks.is_list(channels) or not channels or not all(
             checks.is_integer(i) and 0 <= i < c for i in channels) or len(set(channels)) != len(channels):
-        raise ConfigError(f"{group}.channels={channels!r} is invalid for {c}-channel images; use distinct "
+        raise ConfigError(f"{group}.channels={_shown(channels)} is invalid for {c}-channel images; use distinct "
                           f"channel indices in [0, {c - 1}]")
     return window, tuple((int(u), int(v)) for u, v in positions), tuple(int(i) for i in channels)
