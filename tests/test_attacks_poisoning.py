@@ -716,4 +716,12 @@ def test_a_cache_hit_describes_the_attack_as_the_run_that_filled_it(name):
     trained.poison_dataset(make_split(), torch.Generator().manual_seed(3))
     hit = build(name)  # a fresh attack, as the pipeline builds it before it finds the cache entry
     hit.load_state_dict(trained.state_dict())
-    assert hit.describe() == trained.describe()
+    assert untimed(hit.describe()) == untimed(trained.describe())
+
+
+def untimed(block):
+    """A describe() block without its wall-clock seconds (networks trained twice here, as Poison Ink's
+    and SSBA's are, take different seconds on a loaded machine)."""
+    if isinstance(block, dict):
+        return {k: untimed(v) for k, v in block.items() if k not in ("seconds", "networks_s")}
+    return block
