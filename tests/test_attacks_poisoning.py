@@ -116,6 +116,8 @@ def build(name: str, mode: str = "all2one", **kw):
     if name == "poison_ink":  # its injection and extraction networks at their smallest, one epoch on 16 images
         kw = {"epochs": 1, "stages": [["crop", "flip"]], "train_images": 16, "width": 4, "depth": 1,
               "extractor_width": 4, "extractor_blocks": 1, **kw}
+    if name == "ssba":  # its encoder and decoder at their smallest, two epochs of the tiny split
+        kw = {"epochs": 2, "width": 8, "code_bits": 8, **kw}
     node = OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"), resolve=True)  # its defaults
     return prepared(instantiate({**node, **common(target_mode=mode, poison_rate=0.2, **kw)}), make_split())
 
