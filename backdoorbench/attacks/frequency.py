@@ -145,15 +145,13 @@ def trigger(x: Tensor, magnitude: float, channels: tuple[int, ...], window: int,
     return (levels / 255.0).clamp(0.0, 1.0).to(x.dtype)
 
 
+def _plain(value: Any) -> Any:
+    """A value as the user wrote it: any list (OmegaConf's ListConfig too), nested, as a plain list."""
+    return [_plain(v) for v in value] if checks.is_list(value) else value
+
+
 def _shown(value: Any) -> str:
-    """A value as the user wrote it: an OmegaConf list shown as a plain list."""
-    try:
-        from omegaconf import OmegaConf
-        if OmegaConf.is_config(value):
-            value = OmegaConf.to_container(value)
-    except ImportError:
-        pass
-    return repr(value)
+    return repr(_plain(value))
 
 
 def resolve_geometry(group: str, image_shape: tuple[int, int, int], window: int | None,
