@@ -42,14 +42,13 @@ PREPARE_FORMAT = "backdoorbench.prepare_checkpoint.v1"
 
 def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generator: torch.Generator, build_model,
                    clean_model: Callable[[], tuple[Any, dict[str, Any]]] | None = None,
-                   network_cache: Path | None = None, counter: CallCounter | None = None) -> None:
+                   counter: CallCounter | None = None) -> None:
     """`attack.prepare(...)`, or its result restored from `checkpoint` when a killed run already
     computed it (e.g. Input-aware's mask pre-training). What prepare leaves behind (its result,
     the global RNG state that the victim's initialization draws from next, its logged epochs) is
     saved there when the attack has a `prepare_state`, so the resumed run goes on exactly.
     `clean_model` (the run's clean control and its cache block) goes to an attack that
-    `uses_clean_control`; `network_cache` (the run's cache folder, None when the cache is off) to one
-    that `uses_network_cache`. `counter`: the poison stage's pass counter; the cost it counted in
+    `uses_clean_control` (the network cache came with `bind_run`). `counter`: the poison stage's pass counter; the cost it counted in
     prepare is saved with the checkpoint, and added back when the preparation is restored."""
     where = f"checkpoint {str(checkpoint)!r}"
     if checkpoint.exists():
@@ -70,8 +69,6 @@ def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generato
         log.info("%s: preparation restored from %s", attack.name, checkpoint)
         return
     extra = {"clean_model": clean_model} if clean_model is not None and attack.uses_clean_control else {}
-    if attack.uses_network_cache:
-        extra["cache_dir"] = network_cache
     attack.prepare(trainer=trainer, train=train, generator=generator, build_model=build_model, **extra)
     prepared = attack.prepare_state()
     if prepared is not None and distributed.is_main():
@@ -118,8 +115,7 @@ def obtain_victim(cfg: DictConfig, config: dict[str, Any], run_id: str, data: Im
         with timed(timings, "poison"), counter.counting():
             prepare_attack(attack, checkpoints / "prepare.pt", trainer=trainer, train=data.train,
                            generator=stream(seed, "attack"), build_model=lambda **kwargs: build_model(cfg, data, **kwargs),
-                           clean_model=_not_counted(clean_model, counter, control),
-                           network_cache=cache.root if cache is not None else None, counter=counter)
+                           clean_model=_not_counted(clean_model, counter, control), counter=counter)
             cached, source = _prepare_cost_recorded(attack, counter)
             poisoned = attack.poison_dataset(data.train, stream(seed, "poison"))
         model = build_model(cfg, data)  # after prepare, as without a cache: the same global RNG draws

@@ -117,11 +117,13 @@ def test_the_networks_are_cached_and_a_killed_training_resumes(tmp_path, monkeyp
     images = rectangles(32, seed=2)
     train = Split(images, torch.arange(32) % 10)
     first = attack(epochs=2, batch_size=16)
-    first.prepare(trainer=Trainer(), train=train, generator=torch.Generator().manual_seed(0), build_model=None, cache_dir=tmp_path)
+    first.bind_run(data=None, network_cache=tmp_path)
+    first.prepare(trainer=Trainer(), train=train, generator=torch.Generator().manual_seed(0), build_model=None)
     assert first.stats["networks"] == "cache_miss" and (tmp_path / "poison_ink" / f"{first.stats['networks_key']}.pt").exists()
     second = attack(epochs=2, batch_size=16)
+    second.bind_run(data=None, network_cache=tmp_path)
     monkeypatch.setattr(PoisonInk, "train_networks", lambda *a, **k: pytest.fail("trained again"))
-    second.prepare(trainer=Trainer(), train=train, generator=torch.Generator().manual_seed(0), build_model=None, cache_dir=tmp_path)
+    second.prepare(trainer=Trainer(), train=train, generator=torch.Generator().manual_seed(0), build_model=None)
     assert second.stats["networks"] == "cache_hit" and second.stats["networks_s"] == first.stats["networks_s"]
     x = images[:4].float() / 255
     assert torch.equal(first.apply_trigger(x), second.apply_trigger(x))

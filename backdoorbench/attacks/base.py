@@ -85,9 +85,6 @@ class Attack:
     # `attack=none` victim of the same setting, from the victim cache) and its cache block, for an
     # attack that crafts its trigger on a clean model (LF), as BackdoorBench's pre-made triggers are.
     uses_clean_control: ClassVar[bool] = False
-    # True where `prepare` takes `cache_dir=`: the run's cache folder (None when the cache is off), where an
-    # attack keeps networks it trained for its trigger, keyed by what determines them (Poison Ink).
-    uses_network_cache: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -171,7 +168,8 @@ class Attack:
         """Called by the pipeline once the data has loaded, before the preparation or a victim-cache
         load: the run's dataset (for a trigger that looks up pre-made images of it, SSBA's resource)
         and the folder where an attack that trains networks of its own keeps them content-hashed
-        (SSBA's encoder; None: the cache is off). Nothing by default."""
+        (SSBA's encoder, Poison Ink's networks, each under its own name; None: the cache is off). Nothing by
+        default."""
 
     def prepare(
         self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]

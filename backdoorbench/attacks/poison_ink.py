@@ -86,7 +86,7 @@ class PoisonInk(SurrogateCrafted, Attack):
     network injects the same colour.
 
     The networks are trained once per training set and setting and kept in the run's cache
-    (`<cache_dir>/poison_ink/<key>.pt`, the key a hash of the training images, every value that
+    (`<cache_dir>/networks/poison_ink/<key>.pt`, the key a hash of the training images, every value that
     shapes the networks, the seed and the device type), resumed from their last epoch when a run is
     killed; the record says how long they took, the images they passed forward and backward, and their
     final losses, and a run from the cache adds that cost to its `attack_cost` (`prepare_cost`). `resource` takes
@@ -107,7 +107,6 @@ class PoisonInk(SurrogateCrafted, Attack):
     family = "generative"
     aliases = ("poisonink",)
     learned_trigger = True
-    uses_network_cache = True  # `prepare` takes `cache_dir=`: the run's cache, where the networks are kept
 
     def __init__(
         self,
@@ -178,6 +177,7 @@ class PoisonInk(SurrogateCrafted, Attack):
             raise ConfigError(f"attack.resource={resource!r} is invalid; use the path of a netH_epoch_<n>.pth file or null")
         self.resource = resource
         self.injection: nn.Module | None = None
+        self.network_cache: Path | None = None  # the run's, from bind_run (None: the cache is off)
         self.stats: dict[str, Any] = {}
         self._surrogate_history: list[dict[str, Any]] = []
         if resource is not None:  # read now: a wrong file is refused before any data loads
@@ -229,9 +229,11 @@ class PoisonInk(SurrogateCrafted, Attack):
         return to_float(to_uint8(out)).to(x.dtype)  # 8 bits, as the official stego images are saved
 
     # --- training -------------------------------------------------------------------------------
-    def prepare(self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module],
-                cache_dir: str | Path | None = None) -> None:
-        """The injection and extraction networks: from the run's network cache where this training
+    def bind_run(self, *, data, network_cache: Path | None) -> None:
+        self.network_cache = network_cache
+
+    def prepare(self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]) -> None:
+        """The injection and extraction networks: from the run's network cache (`bind_run`) where this training
         set and setting trained them before, else trained here (resumed from the cache's partial file
         after a killed run) and cached. Nothing to do with a `resource` file."""
         self.poison_count(train.labels)  # a rate that can't be met fails now, not after the training
@@ -239,7 +241,7 @@ class PoisonInk(SurrogateCrafted, Attack):
             return
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
         key = self.network_key(train, seed, trainer.device)
-        folder = Path(cache_dir).expanduser() / self.name if cache_dir is not None else None
+        folder = self.network_cache / self.name if self.network_cache is not None else None
         entry = folder / f"{key}.pt" if folder is not None else None
         if entry is not None and entry.exists():
             try:
