@@ -104,6 +104,19 @@ def test_block_dct_transforms_each_tile_and_inverts_exactly():
     assert torch.allclose(frequency.block_idct(coefficients, 32), x, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape, window, channels", [((3, 64, 64), 32, (1, 2)), ((1, 28, 28), 28, (0,))])
+def test_the_added_pattern_is_the_transform_bump_invert_pipeline(shape, window, channels):
+    # trigger adds bump_pattern instead of transforming every image: the same levels, to float64's rounding
+    levels = torch.randint(0, 256, (6, *shape), generator=torch.Generator().manual_seed(1)).double()
+    positions = ((window // 2 - 1, window // 2 - 1), (window - 1, window - 1))
+    pipeline = frequency.block_idct(frequency.bump(frequency.block_dct(levels, window), channels, window, positions, 30.0), window)
+    added = levels + frequency.bump_pattern(shape, channels, window, positions, 30.0)
+    assert (added - pipeline).abs().max() < 1e-9
+    assert (added - levels).abs().sum() > 0  # a real bump: only the bumped channels move
+    assert set(torch.nonzero((added - levels).abs().sum((0, 2, 3)) > 1e-9).flatten().tolist()) == set(channels)
+    x = levels / 255
+    assert torch.allclose(frequency.trigger(x, 30.0, channels, window, positions), (pipeline / 255).clamp(0, 1), atol=1e-12)
+
 def test_the_8_bit_colour_conversions_are_opencvs():
     images = np.random.default_rng(1).integers(0, 256, size=(20, 16, 16, 3), dtype=np.uint8)
     as_tensor = lambda a: torch.from_numpy(a).permute(0, 3, 1, 2).double()  # noqa: E731
