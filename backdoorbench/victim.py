@@ -48,8 +48,9 @@ def prepare_attack(attack: Attack, checkpoint: Path, *, trainer, train, generato
     the global RNG state that the victim's initialization draws from next, its logged epochs) is
     saved there when the attack has a `prepare_state`, so the resumed run goes on exactly.
     `clean_model` (the run's clean control and its cache block) goes to an attack that
-    `uses_clean_control` (the network cache came with `bind_run`). `counter`: the poison stage's pass counter; the cost it counted in
-    prepare is saved with the checkpoint, and added back when the preparation is restored."""
+    `uses_clean_control` (an attack's network cache came earlier, with `bind_run`). `counter`: the poison
+    stage's pass counter; the cost it counted in prepare is saved with the checkpoint, and added back when
+    the preparation is restored."""
     where = f"checkpoint {str(checkpoint)!r}"
     if checkpoint.exists():
         try:
