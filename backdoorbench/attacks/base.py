@@ -85,6 +85,9 @@ class Attack:
     # `attack=none` victim of the same setting, from the victim cache) and its cache block, for an
     # attack that crafts its trigger on a clean model (LF), as BackdoorBench's pre-made triggers are.
     uses_clean_control: ClassVar[bool] = False
+    # Where an attack that trains networks of its own for its trigger keeps them, under its name
+    # (`network_folder()`: `<network_cache>/<name>/<key>.pt`): the run's, from `bind_run`; None: the cache is off.
+    network_cache: Path | None = None
 
     def __init__(
         self,
@@ -168,8 +171,13 @@ class Attack:
         """Called by the pipeline once the data has loaded, before the preparation or a victim-cache
         load: the run's dataset (for a trigger that looks up pre-made images of it, SSBA's resource)
         and the folder where an attack that trains networks of its own keeps them content-hashed
-        (SSBA's encoder, Poison Ink's networks, each under its own name; None: the cache is off). Nothing by
-        default."""
+        (SSBA's encoder, Poison Ink's networks, each under its own name; None: the cache is off), kept
+        as `network_cache`."""
+        self.network_cache = network_cache
+
+    def network_folder(self) -> Path | None:
+        """`<network_cache>/<name>`, the folder of this attack's own networks; None: the cache is off."""
+        return self.network_cache / self.name if self.network_cache is not None else None
 
     def prepare(
         self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]

@@ -177,7 +177,6 @@ class PoisonInk(SurrogateCrafted, Attack):
             raise ConfigError(f"attack.resource={resource!r} is invalid; use the path of a netH_epoch_<n>.pth file or null")
         self.resource = resource
         self.injection: nn.Module | None = None
-        self.network_cache: Path | None = None  # the run's, from bind_run (None: the cache is off)
         self.stats: dict[str, Any] = {}
         self._surrogate_history: list[dict[str, Any]] = []
         if resource is not None:  # read now: a wrong file is refused before any data loads
@@ -229,9 +228,6 @@ class PoisonInk(SurrogateCrafted, Attack):
         return to_float(to_uint8(out)).to(x.dtype)  # 8 bits, as the official stego images are saved
 
     # --- training -------------------------------------------------------------------------------
-    def bind_run(self, *, data, network_cache: Path | None) -> None:
-        self.network_cache = network_cache
-
     def prepare(self, *, trainer, train: Split, generator: torch.Generator, build_model: Callable[..., nn.Module]) -> None:
         """The injection and extraction networks: from the run's network cache (`bind_run`) where this training
         set and setting trained them before, else trained here (resumed from the cache's partial file
@@ -241,7 +237,7 @@ class PoisonInk(SurrogateCrafted, Attack):
             return
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
         key = self.network_key(train, seed, trainer.device)
-        folder = self.network_cache / self.name if self.network_cache is not None else None
+        folder = self.network_folder()
         entry = folder / f"{key}.pt" if folder is not None else None
         if entry is not None and entry.exists():
             try:

@@ -254,7 +254,6 @@ class SSBA(Attack):
         self.resource = resource
         self.code = code_of(secret, self.code_bits)
         self.encoder: StegaStampEncoder | None = None
-        self.network_cache: Path | None = None
         self.stats: dict[str, Any] = {}
         self._replacements: dict[str, np.ndarray] = {}
         self._lookup: dict[bytes, tuple[str, int]] | None = None
@@ -266,7 +265,7 @@ class SSBA(Attack):
 
     # --- the run's data and cache ---------------------------------------------------------------
     def bind_run(self, *, data, network_cache: Path | None) -> None:
-        self.network_cache = network_cache
+        super().bind_run(data=data, network_cache=network_cache)
         if self.resource is None:
             return
         lookup: dict[bytes, tuple[str, int]] = {}
@@ -327,7 +326,7 @@ class SSBA(Attack):
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         device = torch.device(getattr(trainer, "device", "cpu"))
         key = self.network_key(train, seed, device)
-        folder = self.network_cache / "ssba" if self.network_cache is not None else None
+        folder = self.network_folder()
         path = folder / f"{key}.pt" if folder is not None else None
         if path is not None and path.exists():
             try:
