@@ -339,11 +339,7 @@ def compare_frequency(name: str, shape, images, bb: Path, repeats: int, modules:
         if shape[0] == 3:
             values.update(channels=list(settings["channel_list"]), window=int(settings["window_size"]),
                           positions=[list(p) for p in settings["pos_list"]], yuv=bool(settings["YUV"]))
-        # the class itself: its yaml's defaults are BackdoorBench's, but a composed override of
-        # `positions` arrives as an OmegaConf list, which its geometry check refuses
-        from backdoorbench.attacks.ftrojan import FTrojan
-
-        ours = FTrojan(num_classes=10, image_shape=shape, **values)
+        ours = our_attack("ftrojan", shape, **values)
     else:
         settings = read_yaml(bb, "config/attack/ctrl/default.yaml")
         ours = our_attack("ctrl", shape)
